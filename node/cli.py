@@ -1,0 +1,109 @@
+"""`prime-node`: run a worker, manage its key, prepare bundled models, calibrate thresholds.
+
+Every command takes its settings through the shared config loader
+(`protocol.config`): ``--section.key value`` flags, ``@ file.toml`` and ``PRIME_`` env vars.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+
+import typer
+from rich.console import Console
+
+from protocol.config import ConfigError, load_config, write_resolved
+
+app = typer.Typer(help="prime-swarm worker node.", no_args_is_help=True, add_completion=False)
+console = Console(stderr=True)
+EXTRA = {"allow_extra_args": True, "ignore_unknown_options": True}
+
+
+def _config(cls, args: list[str]):
+    try:
+        return load_config(cls, args)
+    except ConfigError as exc:
+        console.print(f"[red]config error:[/red] {exc}")
+        raise typer.Exit(2) from exc
+
+
+def setup_logging(level: str = "INFO") -> None:
+    logging.basicConfig(
+        level=level, stream=sys.stderr,
+        format='{"ts":"%(asctime)s","level":"%(levelname)s","logger":"%(name)s","msg":"%(message)s"}',
+    )
+
+
+@app.command(context_settings=EXTRA)
+def serve(ctx: typer.Context) -> None:
+    """Run a standalone worker: OpenAI-compatible API, proof and verify routes.
+
+    Example: prime-node serve --engine.model smollm2 --server.port 8000
+    """
+    from aiohttp import web
+
+    from node.config import NodeConfig
+    from node.engines import create_engine
+    from node.server import NodeServer
+    from node.worker import Worker
+    from protocol.identity import Identity
+
+    cfg = _config(NodeConfig, ctx.args)
+    setup_logging()
+    write_resolved(cfg, cfg.log_dir / "node.toml")
+    identity = Identity.load_or_create(cfg.key_file)
+    with console.status(f"loading {cfg.engine.model} on the {cfg.engine.kind} engine"):
+        engine = create_engine(cfg.engine)
+    worker = Worker(engine, identity, cfg.verification, max_batch_size=cfg.engine.max_batch_size,
+                    batch_wait_s=cfg.engine.batch_wait_ms / 1000, max_model_len=cfg.engine.max_model_len,
+                    pool_id=cfg.pool_id)
+    server = NodeServer(worker, model_name=cfg.server.served_model_name or cfg.engine.model,
+                        trusted_keys=cfg.trusted_keys, max_body_bytes=cfg.server.max_body_bytes,
+                        max_concurrent=cfg.server.max_concurrent_requests,
+                        rollout_cache_size=cfg.server.rollout_cache_size)
+    console.print(f"node [bold]{identity.node_id}[/bold] serving {cfg.engine.model} "
+                  f"at http://{cfg.server.host}:{cfg.server.port}/v1")
+    web.run_app(server.app(), host=cfg.server.host, port=cfg.server.port, print=None,
+                access_log=None, handle_signals=True)
+
+
+@app.command()
+def keygen(key_file: str = typer.Option("~/.prime-swarm/node.key", help="Key file to create or read.")) -> None:
+    """Create the node key (mode 0600) if missing and print the node id."""
+    from protocol.identity import Identity, IdentityError
+
+    try:
+        print(Identity.load_or_create(key_file).node_id)
+    except IdentityError as exc:
+        console.print(f"[red]{exc}[/red]")
+        raise typer.Exit(2) from exc
+
+
+@app.command("prepare-model")
+def prepare_model(name: str = typer.Argument(..., help="'tiny' or 'smollm2'")) -> None:
+    """Build (tiny) or dequantize (smollm2) a bundled model into the cache; print its folder."""
+    from node.models import resolve_model
+
+    if name not in ("tiny", "smollm2"):
+        console.print(f"[red]unknown bundled model {name!r}: use 'tiny' or 'smollm2'[/red]")
+        raise typer.Exit(2)
+    with console.status(f"preparing {name}"):
+        print(resolve_model(name))
+
+
+@app.command(context_settings=EXTRA)
+def calibrate(ctx: typer.Context) -> None:
+    """Measure honest proof/logprob/sampling errors on an engine pair and propose thresholds.
+
+    Example: prime-node calibrate --generator.model smollm2 --rollouts 64 --out thresholds.toml
+    """
+    from node.calibrate import run_calibration
+    from node.config import CalibrateConfig
+
+    cfg = _config(CalibrateConfig, ctx.args)
+    setup_logging("WARNING")
+    run_calibration(cfg, console)
+
+
+if __name__ == "__main__":
+    app()

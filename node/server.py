@@ -1,0 +1,245 @@
+"""The worker's HTTP API (aiohttp).
+
+Routes:
+- OpenAI-compatible JSON: GET /v1/models, POST /v1/completions, POST /v1/chat/completions,
+  POST /tokenize (as vLLM's);
+- proof routes (msgpack, signed envelopes): POST /v1/rollouts (a `RolloutRequest` ->
+  signed `Rollout`), GET /v1/rollouts/{id} (the signed rollout of an earlier OpenAI call),
+  POST /v1/verify (a `VerifyRequest` -> signed `Verdict`);
+- weights: POST /v1/weights/update and /v1/weights/reload, accepted only when signed by a
+  trusted key (the pool's trainer);
+- GET /health.
+
+Invariants: every bad input (malformed JSON or msgpack, oversized body, wrong types, bad
+/ expired / replayed / untrusted signature) gets a 4xx with a JSON error body and one log
+line, and the server keeps serving; signed routes reject a replayed nonce; requests past
+`max_concurrent_requests` get 503 instead of queueing without bound.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import os
+import uuid
+from collections import OrderedDict
+
+from aiohttp import web
+from pydantic import BaseModel, ValidationError
+
+from node.openai_api import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    TokenizeRequest,
+    chat_response,
+    completion_response,
+    truncate_at_stop,
+)
+from node.worker import RequestRejected, Worker
+from protocol.codec import CodecError
+from protocol.envelope import EnvelopeError, ReplayCache, open_envelope
+from protocol.identity import public_key_from_node_id
+from protocol.messages import MAX_SEED, RolloutRequest, VerifyRequest, WeightReload, WeightUpdate
+
+log = logging.getLogger("prime.node.server")
+MSGPACK = "application/msgpack"
+
+
+def _error(status: int, message: str, kind: str = "invalid_request_error") -> web.Response:
+    return web.json_response({"error": {"message": message, "type": kind, "code": status}}, status=status)
+
+
+@web.middleware
+async def error_middleware(request: web.Request, handler):
+    try:
+        return await handler(request)
+    except web.HTTPException as exc:
+        if exc.status < 400:
+            raise
+        log.warning("%s %s -> %d %s", request.method, request.path, exc.status, exc.reason)
+        return _error(exc.status, exc.text or exc.reason)
+    except EnvelopeError as exc:
+        log.warning("%s %s -> %d %s", request.method, request.path, exc.status, exc)
+        return _error(exc.status, str(exc), "authentication_error")
+    except (CodecError, RequestRejected) as exc:
+        log.warning("%s %s -> 400 %s", request.method, request.path, exc)
+        return _error(400, str(exc))
+    except ValidationError as exc:
+        msg = "; ".join(f"{'.'.join(map(str, e['loc'])) or 'body'}: {e['msg']}" for e in exc.errors()[:5])
+        log.warning("%s %s -> 400 %s", request.method, request.path, msg)
+        return _error(400, msg)
+
+
+class NodeServer:
+    def __init__(self, worker: Worker, *, model_name: str, trusted_keys: list[str], max_body_bytes: int,
+                 max_concurrent: int, rollout_cache_size: int):
+        self.worker = worker
+        self.model_name = model_name
+        self.trusted = {public_key_from_node_id(k) for k in trusted_keys}
+        self.max_body_bytes = max_body_bytes
+        self.replay = ReplayCache()
+        self.slots = asyncio.Semaphore(max_concurrent)
+        self.max_concurrent = max_concurrent
+        self.rollouts: OrderedDict[str, bytes] = OrderedDict()
+        self.rollout_cache_size = rollout_cache_size
+        self.weights_path: str | None = None
+
+    def app(self) -> web.Application:
+        app = web.Application(client_max_size=self.max_body_bytes, middlewares=[error_middleware])
+        app.add_routes([
+            web.get("/health", self.health),
+            web.get("/v1/models", self.models),
+            web.post("/v1/completions", self.completions),
+            web.post("/v1/chat/completions", self.chat_completions),
+            web.post("/tokenize", self.tokenize),
+            web.post("/v1/rollouts", self.rollout),
+            web.get("/v1/rollouts/{rollout_id}", self.get_rollout),
+            web.post("/v1/verify", self.verify),
+            web.post("/v1/weights/update", self.weights_update),
+            web.post("/v1/weights/reload", self.weights_reload),
+        ])
+        app.on_startup.append(self._on_startup)
+        app.on_cleanup.append(self._on_cleanup)
+        return app
+
+    async def _on_startup(self, _app) -> None:
+        self.worker.start()
+
+    async def _on_cleanup(self, _app) -> None:
+        await self.worker.stop()
+
+    # -- helpers -------------------------------------------------------------------
+    async def _json(self, request: web.Request, model: type[BaseModel]) -> BaseModel:
+        raw = await request.read()
+        try:
+            body = json.loads(raw)
+        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+            raise CodecError(f"malformed JSON: {exc}") from exc
+        if not isinstance(body, dict):
+            raise CodecError("request body must be a JSON object")
+        return model.model_validate(body)
+
+    async def _limited(self, coro):
+        if self.slots.locked():
+            coro.close()
+            raise web.HTTPServiceUnavailable(text=f"node is saturated ({self.max_concurrent} requests in flight)")
+        async with self.slots:
+            return await coro
+
+    def _remember(self, rollout_id: str, envelope: bytes) -> None:
+        if self.rollout_cache_size == 0:
+            return
+        self.rollouts[rollout_id] = envelope
+        while len(self.rollouts) > self.rollout_cache_size:
+            self.rollouts.popitem(last=False)
+
+    def _text(self, rollout) -> str:
+        text = self.worker.engine.tokenizer.decode(rollout.completion_ids, skip_special_tokens=True)
+        return truncate_at_stop(text, rollout.sampling.stop)
+
+    def _request(self, prompt_ids: list[int], body) -> RolloutRequest:
+        return RolloutRequest(
+            request_id=uuid.uuid4().hex, pool_id=self.worker.pool_id, prompt_ids=prompt_ids,
+            sampling=body.sampling(default_max_tokens=256),
+            seed=body.seed if body.seed is not None else int.from_bytes(os.urandom(8)) & MAX_SEED,
+        )
+
+    def _chat_ids(self, messages, add_generation_prompt: bool = True) -> list[int]:
+        tok = self.worker.engine.tokenizer
+        if not tok.chat_template:
+            raise RequestRejected("this model has no chat template; use /v1/completions")
+        conversation = [{"role": m.role, "content": m.text()} for m in messages]
+        ids = tok.apply_chat_template(conversation, add_generation_prompt=add_generation_prompt, tokenize=True)
+        return list(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids)
+
+    # -- routes --------------------------------------------------------------------
+    async def health(self, _request: web.Request) -> web.Response:
+        engine = self.worker.engine
+        return web.json_response({
+            "status": "ok", "node_id": self.worker.node_id, "weights_version": engine.weights_version,
+            "weights_hash": engine.weights_hash, "outstanding": self.worker.outstanding, "stats": self.worker.stats,
+        })
+
+    async def models(self, _request: web.Request) -> web.Response:
+        return web.json_response({"object": "list", "data": [
+            {"id": self.model_name, "object": "model", "owned_by": "prime-swarm",
+             "max_model_len": self.worker.max_model_len}]})
+
+    async def chat_completions(self, request: web.Request) -> web.Response:
+        body = await self._json(request, ChatCompletionRequest)
+        rreq = self._request(self._chat_ids(body.messages), body)
+        top = body.top_logprobs if body.logprobs else 0
+        signed = await self._limited(self.worker.generate(rreq, top_logprobs=top))
+        self._remember(rreq.request_id, signed.envelope)
+        tok = self.worker.engine.tokenizer
+        return web.json_response(chat_response(signed.rollout, self._text(signed.rollout), tok, self.model_name,
+                                               body.logprobs, signed.top_logprobs))
+
+    async def completions(self, request: web.Request) -> web.Response:
+        body = await self._json(request, CompletionRequest)
+        tok = self.worker.engine.tokenizer
+        ids = body.prompt if isinstance(body.prompt, list) else tok.encode(body.prompt, add_special_tokens=False)
+        if not ids:
+            raise RequestRejected("prompt encodes to no tokens")
+        rreq = self._request(list(ids), body)
+        signed = await self._limited(self.worker.generate(rreq, top_logprobs=body.logprobs or 0))
+        self._remember(rreq.request_id, signed.envelope)
+        return web.json_response(completion_response(signed.rollout, self._text(signed.rollout), tok,
+                                                     self.model_name, body.logprobs, signed.top_logprobs))
+
+    async def tokenize(self, request: web.Request) -> web.Response:
+        body = await self._json(request, TokenizeRequest)
+        tok = self.worker.engine.tokenizer
+        if body.messages is not None:
+            ids = self._chat_ids(body.messages, body.add_generation_prompt)
+        else:
+            ids = tok.encode(body.prompt, add_special_tokens=body.add_special_tokens)
+        return web.json_response({"tokens": list(ids), "count": len(ids), "max_model_len": self.worker.max_model_len})
+
+    async def rollout(self, request: web.Request) -> web.Response:
+        opened = open_envelope(await request.read(), RolloutRequest, replay_cache=self.replay,
+                               max_bytes=self.max_body_bytes)
+        signed = await self._limited(self.worker.generate(opened.message))
+        return web.Response(body=signed.envelope, content_type=MSGPACK)
+
+    async def get_rollout(self, request: web.Request) -> web.Response:
+        envelope = self.rollouts.get(request.match_info["rollout_id"])
+        if envelope is None:
+            raise web.HTTPNotFound(text="no such rollout on this node (unknown id or evicted)")
+        return web.Response(body=envelope, content_type=MSGPACK)
+
+    async def verify(self, request: web.Request) -> web.Response:
+        opened = open_envelope(await request.read(), VerifyRequest, replay_cache=self.replay,
+                               max_bytes=self.max_body_bytes)
+        verdict, envelope = await self._limited(self.worker.verify(opened.message))
+        log.info("verified %s from %s: %s", verdict.request_id, verdict.generator_id,
+                 "accepted" if verdict.accepted else "rejected (" + "; ".join(verdict.reasons) + ")")
+        return web.Response(body=envelope, content_type=MSGPACK)
+
+    async def _load(self, update: WeightUpdate) -> web.Response:
+        loop = asyncio.get_running_loop()
+        try:
+            await loop.run_in_executor(self.worker.executor, self.worker.engine.load_weights,
+                                       update.path, update.version, update.weights_hash)
+        except (FileNotFoundError, ValueError, RuntimeError) as exc:
+            raise RequestRejected(f"cannot load weights from {update.path}: {exc}") from exc
+        self.weights_path = update.path
+        engine = self.worker.engine
+        log.info("loaded weights version %d (%s)", engine.weights_version, engine.weights_hash[:12])
+        return web.json_response({"weights_version": engine.weights_version, "weights_hash": engine.weights_hash})
+
+    async def weights_update(self, request: web.Request) -> web.Response:
+        opened = open_envelope(await request.read(), WeightUpdate, replay_cache=self.replay,
+                               trusted_senders=self.trusted, max_bytes=self.max_body_bytes)
+        return await self._load(opened.message)
+
+    async def weights_reload(self, request: web.Request) -> web.Response:
+        """Re-read the current weights from disk (after a repair of the files, say)."""
+        opened = open_envelope(await request.read(), WeightReload, replay_cache=self.replay,
+                               trusted_senders=self.trusted, max_bytes=self.max_body_bytes)
+        engine = self.worker.engine
+        if opened.message.version != engine.weights_version:
+            raise RequestRejected(f"node holds version {engine.weights_version}, not {opened.message.version}")
+        path = self.weights_path or str(getattr(engine, "model_path", ""))
+        return await self._load(WeightUpdate(version=engine.weights_version, path=path))

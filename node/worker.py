@@ -1,0 +1,139 @@
+"""The worker's core, independent of HTTP: generate signed rollouts, verify others'.
+
+Owns the engine (through two batchers that share one engine thread), the node identity
+and the verification thresholds. Invariants:
+- Every rollout leaves signed by this node's key, with its proof, the seed and
+  sampling params it was asked for, and the weights version/hash it was generated with.
+- A verdict is computed only from the verifier's own prefill of the claimed tokens; the
+  generator's signature is checked first, and a rollout whose signer is not the node it
+  names is rejected without running the model.
+- Requests that cannot fit (prompt + max_tokens > max_model_len, token id outside the
+  vocabulary) are refused before they reach the engine.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+
+from node.batcher import Batcher
+from node.engines.base import GenerationRequest, GenerationResult, InferenceEngine, PrefillResult
+from protocol.envelope import EnvelopeError, open_envelope, seal
+from protocol.identity import Identity
+from protocol.messages import CheckResult, Rollout, RolloutRequest, Verdict, VerificationPolicy, VerifyRequest
+from verifier.checks import verify_rollout
+from verifier.proofs import build_proof
+
+
+class RequestRejected(ValueError):
+    """A request the engine must not run (too long, bad token ids)."""
+
+
+@dataclass
+class SignedRollout:
+    rollout: Rollout
+    envelope: bytes
+    top_logprobs: list[list[tuple[int, float]]] | None = None
+
+
+class Worker:
+    def __init__(self, engine: InferenceEngine, identity: Identity, policy: VerificationPolicy,
+                 *, max_batch_size: int, batch_wait_s: float, max_model_len: int, pool_id: str = "local"):
+        self.engine = engine
+        self.identity = identity
+        self.policy = policy
+        self.max_model_len = max_model_len
+        self.pool_id = pool_id
+        self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="engine")
+        self.gen_batcher: Batcher[GenerationRequest, GenerationResult] = Batcher(
+            engine.generate, self.executor, max_batch_size, batch_wait_s
+        )
+        self.prefill_batcher: Batcher[tuple[list[int], list[int]], PrefillResult] = Batcher(
+            engine.prefill, self.executor, max_batch_size, batch_wait_s
+        )
+        self.stats = {"generated": 0, "generated_tokens": 0, "verified": 0, "accepted": 0, "rejected": 0}
+
+    @property
+    def node_id(self) -> str:
+        return self.identity.node_id
+
+    def start(self) -> None:
+        self.gen_batcher.start()
+        self.prefill_batcher.start()
+
+    async def stop(self) -> None:
+        await self.gen_batcher.stop()
+        await self.prefill_batcher.stop()
+        self.executor.shutdown(wait=False, cancel_futures=True)
+
+    @property
+    def outstanding(self) -> int:
+        return self.gen_batcher.pending + self.prefill_batcher.pending
+
+    def _check_tokens(self, ids: list[int], what: str) -> None:
+        vocab = self.engine.vocab_size
+        bad = [t for t in ids if not 0 <= t < vocab]
+        if bad:
+            raise RequestRejected(f"{what} has token id {bad[0]} outside the vocabulary (size {vocab})")
+
+    # -- generation ----------------------------------------------------------------
+    async def generate(self, request: RolloutRequest, top_logprobs: int = 0) -> SignedRollout:
+        total = len(request.prompt_ids) + request.sampling.max_tokens
+        if total > self.max_model_len:
+            raise RequestRejected(
+                f"prompt ({len(request.prompt_ids)} tokens) + max_tokens ({request.sampling.max_tokens}) "
+                f"exceeds max_model_len {self.max_model_len}"
+            )
+        self._check_tokens(request.prompt_ids, "prompt")
+        version, weights_hash = self.engine.weights_version, self.engine.weights_hash
+        result = await self.gen_batcher.submit(GenerationRequest(request.prompt_ids, request.sampling, request.seed, top_logprobs))
+        proof = await asyncio.get_running_loop().run_in_executor(
+            None, build_proof, result.hidden_states, request.proof
+        )
+        rollout = Rollout(
+            request_id=request.request_id, pool_id=request.pool_id, node_id=self.node_id,
+            prompt_ids=request.prompt_ids, completion_ids=result.completion_ids, logprobs=result.logprobs,
+            finish_reason=result.finish_reason, sampling=request.sampling, seed=request.seed,
+            weights_version=version, weights_hash=weights_hash, proof_params=request.proof, proof=proof,
+        )
+        self.stats["generated"] += 1
+        self.stats["generated_tokens"] += len(result.completion_ids)
+        return SignedRollout(rollout, seal(self.identity, rollout, ttl_s=3600), result.top_logprobs)
+
+    # -- verification --------------------------------------------------------------
+    async def verify(self, request: VerifyRequest) -> tuple[Verdict, bytes]:
+        """Judge someone else's rollout; returns the verdict and its signed envelope."""
+        opened = open_envelope(request.rollout_envelope, Rollout, check_expiry=False)
+        rollout = opened.message
+        if opened.sender_id != rollout.node_id:
+            checks = [CheckResult(name="signature", passed=False,
+                                  detail=f"signed by {opened.sender_id}, claims to be from {rollout.node_id}")]
+        elif request.expected_weights_hash and request.expected_weights_hash != self.engine.weights_hash:
+            raise EnvelopeError(
+                f"this node holds weights {self.engine.weights_hash[:12]}, not {request.expected_weights_hash[:12]}"
+            )
+        elif len(rollout.prompt_ids) + len(rollout.completion_ids) > self.max_model_len:
+            checks = [CheckResult(name="request", passed=False, detail="longer than max_model_len")]
+        elif max(rollout.prompt_ids + rollout.completion_ids) >= self.engine.vocab_size:
+            checks = [CheckResult(name="support", passed=False, detail="token id outside the vocabulary")]
+        else:
+            weights_hash = self.engine.weights_hash
+            pre = await self.prefill_batcher.submit((rollout.prompt_ids, rollout.completion_ids))
+            tok = self.engine.tokenizer
+            checks = await asyncio.get_running_loop().run_in_executor(
+                None,
+                lambda: verify_rollout(
+                    rollout, pre.logits, pre.hidden_states, self.policy, weights_hash=weights_hash,
+                    eos_ids=self.engine.eos_token_ids,
+                    decode=lambda ids: tok.decode(ids, skip_special_tokens=False), request=request.request,
+                ),
+            )
+        verdict = Verdict(
+            request_id=rollout.request_id, rollout_digest=rollout.digest(), generator_id=rollout.node_id,
+            verifier_id=self.node_id, weights_hash=self.engine.weights_hash,
+            accepted=all(c.passed for c in checks), checks=checks,
+        )
+        self.stats["verified"] += 1
+        self.stats["accepted" if verdict.accepted else "rejected"] += 1
+        return verdict, seal(self.identity, verdict, ttl_s=3600)

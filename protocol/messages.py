@@ -1,0 +1,312 @@
+"""Pydantic models of every message in DESIGN.md sections 2 and 4.
+
+Each model is a wire message: it is encoded by `protocol.codec` and, between processes,
+signed inside a `protocol.envelope`. Invariants:
+- Models are strict about shapes and ranges (a malformed message fails validation with a
+  message that names the field), and frozen so a verified message cannot change later.
+- Token ids, logprobs and proof chunks of a `Rollout` line up: one logprob per completion
+  token, one proof chunk per `proof_chunk_tokens` completion tokens (rounded up).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+from protocol.codec import encode
+
+MAX_SEED = 2**63 - 1
+
+
+class Message(BaseModel):
+    """Base of all wire messages: frozen, no unknown fields, field docstrings as docs."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid", use_attribute_docstrings=True)
+
+    def digest(self) -> str:
+        """Hex SHA-256 of the canonical encoding: the message's identity."""
+        return hashlib.sha256(encode(self)).hexdigest()
+
+
+class SamplingParams(Message):
+    """How tokens are chosen. The same parameters are replayed by the verifier."""
+
+    temperature: float = Field(1.0, ge=0.0, le=10.0)
+    """Softmax temperature; 0 means greedy (argmax)."""
+    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    """Nucleus sampling: keep the smallest set of tokens whose probability sums to top_p."""
+    top_k: int = Field(0, ge=0)
+    """Keep only the k most likely tokens; 0 disables the filter."""
+    max_tokens: int = Field(64, ge=1, le=65536)
+    """Maximum number of completion tokens; reaching it ends with finish_reason 'length'."""
+    stop: tuple[str, ...] = ()
+    """Strings that end the completion when they appear in its text."""
+    ignore_eos: bool = False
+    """Keep generating past the end-of-sequence token (benchmarks)."""
+
+    @field_validator("stop")
+    @classmethod
+    def check_stop_strings_non_empty(cls, v: tuple[str, ...]) -> tuple[str, ...]:
+        if any(not s for s in v):
+            raise ValueError("stop strings must not be empty")
+        if len(v) > 8:
+            raise ValueError("at most 8 stop strings")
+        return v
+
+
+class ProofParams(Message):
+    """TOPLOC proof layout."""
+
+    chunk_tokens: int = Field(32, ge=1, le=4096)
+    """Completion tokens covered by one proof chunk (TOPLOC decode batching size)."""
+    topk: int = Field(128, ge=8, le=1024)
+    """Top-k hidden-state values committed to per chunk."""
+
+
+class RolloutRequest(Message):
+    """Scheduler -> generator: produce one completion for these prompt tokens."""
+
+    request_id: str = Field(min_length=1, max_length=128)
+    """Unique id chosen by the scheduler."""
+    pool_id: str = Field("local", min_length=1, max_length=64)
+    """Pool the request belongs to."""
+    prompt_ids: list[int] = Field(min_length=1, max_length=65536)
+    """Prompt token ids (already chat-templated)."""
+    sampling: SamplingParams = SamplingParams()
+    """Sampling parameters the generator must honour."""
+    seed: int = Field(ge=0, le=MAX_SEED)
+    """Seed of the sampling noise, chosen by the scheduler, never by the worker."""
+    min_version: int = Field(0, ge=0)
+    """Lowest admissible weights version."""
+    proof: ProofParams = ProofParams()
+    """Proof layout the pool asks for."""
+
+    @field_validator("prompt_ids")
+    @classmethod
+    def check_token_ids_non_negative(cls, v: list[int]) -> list[int]:
+        if any(t < 0 for t in v):
+            raise ValueError("token ids must be non-negative")
+        return v
+
+
+FinishReason = Literal["stop", "length"]
+
+
+class Rollout(Message):
+    """Generator's answer: tokens, logprobs, proof, and the weights it used."""
+
+    request_id: str = Field(min_length=1, max_length=128)
+    """Id of the `RolloutRequest` this answers."""
+    pool_id: str = Field("local", min_length=1, max_length=64)
+    """Pool of the request."""
+    node_id: str = Field(min_length=1, max_length=128)
+    """Generator's node id; must equal the signer of the envelope."""
+    prompt_ids: list[int] = Field(min_length=1)
+    """Prompt token ids as generated from."""
+    completion_ids: list[int] = Field(min_length=1)
+    """Generated token ids, including a final end-of-sequence token when there is one."""
+    logprobs: list[float]
+    """Per completion token: log-probability under softmax(logits / temperature)."""
+    finish_reason: FinishReason
+    """'stop' (EOS or a stop string) or 'length' (max_tokens reached)."""
+    sampling: SamplingParams
+    """Sampling parameters used (must equal the request's)."""
+    seed: int = Field(ge=0, le=MAX_SEED)
+    """Seed used for the sampling noise (must equal the request's)."""
+    weights_version: int = Field(ge=0)
+    """Policy version (trainer step) of the weights used."""
+    weights_hash: str = Field(max_length=128)
+    """Manifest hash of the weights used."""
+    proof_params: ProofParams = ProofParams()
+    """Proof layout used."""
+    proof: list[bytes]
+    """TOPLOC proof: one chunk per `proof_params.chunk_tokens` completion tokens."""
+
+    @model_validator(mode="after")
+    def check_lengths_line_up(self) -> Rollout:
+        n = len(self.completion_ids)
+        if len(self.logprobs) != n:
+            raise ValueError(f"{len(self.logprobs)} logprobs for {n} completion tokens")
+        if n > self.sampling.max_tokens:
+            raise ValueError(f"{n} completion tokens exceed max_tokens={self.sampling.max_tokens}")
+        chunks = math.ceil(n / self.proof_params.chunk_tokens)
+        if len(self.proof) != chunks:
+            raise ValueError(f"{len(self.proof)} proof chunks for {n} tokens (expected {chunks})")
+        if any(not math.isfinite(x) or x > 1e-6 for x in self.logprobs):
+            raise ValueError("logprobs must be finite and <= 0")
+        if any(t < 0 for t in self.prompt_ids + self.completion_ids):
+            raise ValueError("token ids must be non-negative")
+        return self
+
+
+class VerifyRequest(Message):
+    """Scheduler -> verifier: check someone else's rollout."""
+
+    rollout_envelope: bytes = Field(max_length=64 * 1024 * 1024)
+    """The generator's signed `Rollout` envelope, passed on untouched."""
+    expected_weights_hash: str = Field("", max_length=128)
+    """Weights the rollout must have been generated with ('' = the verifier's current)."""
+    request: RolloutRequest | None = None
+    """The request the rollout answers, so the verifier can check it was honoured."""
+
+
+class CheckResult(Message):
+    """Outcome of one named check inside a verdict."""
+
+    name: str
+    """Check name: proof, logprobs, sampling, support, termination, request."""
+    passed: bool
+    """Whether the check passed."""
+    detail: str = ""
+    """Human-readable reason, mostly for failures."""
+    metrics: dict[str, float] = {}
+    """Measured values (worst chunk mismatches, max logprob error, ...)."""
+
+
+class Verdict(Message):
+    """Verifier's signed judgement of one rollout."""
+
+    request_id: str
+    """Request the rollout answered."""
+    rollout_digest: str
+    """SHA-256 of the rollout message judged."""
+    generator_id: str
+    """Node id of the generator."""
+    verifier_id: str
+    """Node id of the verifier (the envelope signer)."""
+    weights_hash: str
+    """Weights the verifier used."""
+    accepted: bool
+    """True when every check passed."""
+    checks: list[CheckResult]
+    """Every check run, in order."""
+
+    @property
+    def reasons(self) -> list[str]:
+        return [f"{c.name}: {c.detail}" for c in self.checks if not c.passed]
+
+
+class WeightUpdate(Message):
+    """Trainer -> worker: load this weights version (signed by the pool's trainer key)."""
+
+    version: int = Field(ge=0)
+    """Policy version (trainer step) of the weights."""
+    path: str = Field(min_length=1, max_length=4096)
+    """Folder with the safetensors weights (filesystem transport)."""
+    weights_hash: str = Field("", max_length=128)
+    """Manifest hash of the weights ('' to let the node hash the files)."""
+
+
+class WeightReload(Message):
+    """Trainer -> worker: re-read the current weights from disk (signed by the trainer key)."""
+
+    version: int = Field(ge=0)
+    """Version the node is expected to hold; a node holding another refuses."""
+
+
+class Heartbeat(Message):
+    """Worker -> scheduler: I am alive, with this version and load."""
+
+    node_id: str
+    """Sender's node id."""
+    weights_version: int = Field(ge=0)
+    """Version the engine serves."""
+    outstanding_tokens: int = Field(0, ge=0)
+    """Tokens queued or in generation."""
+
+
+class RegisterRequest(Message):
+    """Worker -> scheduler: admit me to this pool."""
+
+    pool_id: str = Field(min_length=1, max_length=64)
+    """Pool to join."""
+    operator: str = Field("", max_length=128)
+    """Operator label; a verifier is never of the generator's operator."""
+    http_url: str = Field(max_length=512)
+    """Where the worker's HTTP API listens."""
+    p2p_addrs: list[str] = []
+    """libp2p multiaddrs of the node."""
+    engine: Literal["torch", "vllm"] = "torch"
+    """Inference engine kind."""
+    invite: bytes = b""
+    """Invite token envelope (invite-only pools)."""
+
+
+class AdmissionPolicy(Message):
+    """Who may join a pool."""
+
+    mode: Literal["open", "allowlist", "invite"] = "open"
+    """open: anyone; allowlist: listed node ids; invite: holders of owner-signed invites."""
+    allowlist: list[str] = []
+    """Node ids admitted in allowlist mode."""
+
+
+class VerificationPolicy(Message):
+    """How rollouts are checked; thresholds come from `prime-node calibrate`."""
+
+    spot_check_rate: float = Field(1.0, ge=0.0, le=1.0)
+    """Fraction of rollouts sent to a second worker (1.0 = all)."""
+    proof: ProofParams = ProofParams()
+    """Proof layout."""
+    max_exp_mismatches: int = Field(38, ge=0)
+    """Per chunk: most top-k exponents allowed to differ (TOPLOC)."""
+    max_mant_err_mean: float = Field(10.0, ge=0)
+    """Per chunk: largest allowed mean mantissa error of the matching top-k values."""
+    max_mant_err_median: float = Field(8.0, ge=0)
+    """Per chunk: largest allowed median mantissa error."""
+    max_logprob_abs_diff: float = Field(0.5, gt=0)
+    """Largest allowed |claimed - recomputed| logprob of any single token."""
+    max_logprob_mean_abs_diff: float = Field(0.05, gt=0)
+    """Largest allowed mean |claimed - recomputed| logprob over the completion."""
+    sampling_tolerance: float = Field(0.05, ge=0)
+    """Replay: a chosen token's perturbed score may trail the best by at most this."""
+    max_sampling_mismatch_fraction: float = Field(0.02, ge=0, le=1)
+    """Replay: fraction of tokens allowed outside the tolerance (numerical near-ties)."""
+    support_tolerance: float = Field(0.01, ge=0)
+    """Support: slack on the top-p mass when deciding a token was inside the nucleus."""
+
+
+class PoolConfig(Message):
+    """A pool, signed by its owner."""
+
+    pool_id: str = Field(min_length=1, max_length=64)
+    """Pool id."""
+    model: str
+    """Model name or path the pool trains."""
+    trainer_public_key: bytes = Field(min_length=32, max_length=32)
+    """Trainer's Ed25519 key: only weights it signs are loaded."""
+    admission: AdmissionPolicy = AdmissionPolicy()
+    """Admission policy."""
+    verification: VerificationPolicy = VerificationPolicy()
+    """Verification policy and thresholds."""
+    async_level: int = Field(2, ge=0, le=64)
+    """Largest allowed age (in steps) of a rollout's policy at training time."""
+
+
+class PieceInfo(Message):
+    """One piece of a weights file."""
+
+    size: int = Field(ge=0)
+    """Bytes in the piece."""
+    sha256: str = Field(min_length=64, max_length=64)
+    """Hex SHA-256 of the piece."""
+
+
+class Manifest(Message):
+    """A weights version: layout and piece hashes, signed by the trainer."""
+
+    step: int = Field(ge=0)
+    """Trainer step (weights version)."""
+    parent_step: int | None = None
+    """Previous version, if any."""
+    piece_size: int = Field(ge=1)
+    """Bytes per piece (the last may be shorter)."""
+    total_size: int = Field(ge=0)
+    """Bytes of the concatenated files."""
+    files: dict[str, int] = {}
+    """File name -> size, in concatenation order."""
+    pieces: list[PieceInfo] = []
+    """Piece hashes in order."""

@@ -1,0 +1,19 @@
+"""`prime-scheduler`: the pool's coordination daemon (built in the scheduler issue)."""
+
+from __future__ import annotations
+
+import typer
+
+app = typer.Typer(help="prime-swarm scheduler daemon.", no_args_is_help=True, add_completion=False)
+
+
+@app.command()
+def version() -> None:
+    """Print the protocol version this scheduler speaks."""
+    from protocol import PROTOCOL_VERSION
+
+    print(f"prime-swarm protocol v{PROTOCOL_VERSION}")
+
+
+if __name__ == "__main__":
+    app()

@@ -1,0 +1,1 @@
+"""The trusted side: orchestrator and FSDP2 trainer (built in the trainer issue)."""

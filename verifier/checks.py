@@ -1,0 +1,137 @@
+"""Turn a claimed rollout and the verifier's own prefill into check results.
+
+What each check proves is in DESIGN.md section 10. The checks, in order:
+- request: the rollout answers the request it claims (prompt, sampling params, seed);
+- weights: it was generated with the weights the verifier holds;
+- termination: EOS / stop strings / max_tokens end the completion where they must;
+- support: every token lies inside the claimed top-k / top-p set;
+- sampling: replaying the seeded Gumbel-max choice on the verifier's logits picks every
+  token (up to numerical near-ties);
+- logprobs: the claimed logprobs match the verifier's;
+- proof: the TOPLOC proof matches the verifier's hidden states.
+
+Invariants: every check runs (a verdict lists all failures, not just the first); a
+rollout is accepted only when all pass; nothing here trusts a field of the rollout
+without recomputing it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from protocol.messages import CheckResult, Rollout, RolloutRequest, VerificationPolicy
+from verifier.proofs import check_proof
+from verifier.sampling import RowParams, replay
+
+Decode = Callable[[list[int]], str]
+
+
+def check_request(rollout: Rollout, request: RolloutRequest | None) -> CheckResult:
+    if request is None:
+        return CheckResult(name="request", passed=True, detail="no request given")
+    wrong = [
+        name
+        for name, ok in (
+            ("request_id", rollout.request_id == request.request_id),
+            ("prompt_ids", rollout.prompt_ids == request.prompt_ids),
+            ("sampling", rollout.sampling == request.sampling),
+            ("seed", rollout.seed == request.seed),
+            ("proof_params", rollout.proof_params == request.proof),
+        )
+        if not ok
+    ]
+    return CheckResult(name="request", passed=not wrong, detail=f"differs from the request in {', '.join(wrong)}" if wrong else "")
+
+
+def check_weights(rollout: Rollout, weights_hash: str) -> CheckResult:
+    ok = rollout.weights_hash == weights_hash
+    return CheckResult(
+        name="weights", passed=ok,
+        detail="" if ok else f"generated with weights {rollout.weights_hash[:12]}, verifier holds {weights_hash[:12]}",
+    )
+
+
+def check_termination(rollout: Rollout, eos_ids: frozenset[int], decode: Decode) -> CheckResult:
+    s = rollout.sampling
+    ids = rollout.completion_ids
+    n = len(ids)
+
+    def fail(detail: str) -> CheckResult:
+        return CheckResult(name="termination", passed=False, detail=detail)
+
+    if not s.ignore_eos:
+        early = [i for i, t in enumerate(ids[:-1]) if t in eos_ids]
+        if early:
+            return fail(f"end-of-sequence token at position {early[0]} before the end")
+    if s.stop and n > 1 and any(x in decode(ids[:-1]) for x in s.stop):
+        return fail("a stop string appears before the last token")
+    ends_eos = ids[-1] in eos_ids and not s.ignore_eos
+    ends_stop = bool(s.stop) and any(x in decode(ids) for x in s.stop)
+    if rollout.finish_reason == "stop" and not (ends_eos or ends_stop):
+        return fail("finish_reason 'stop' without an end-of-sequence token or stop string")
+    if rollout.finish_reason == "length":
+        if n != s.max_tokens:
+            return fail(f"finish_reason 'length' after {n} tokens, max_tokens is {s.max_tokens}")
+        if ends_eos or ends_stop:
+            return fail("finish_reason 'length' although the completion ends with a stop")
+    return CheckResult(name="termination", passed=True)
+
+
+def verify_rollout(
+    rollout: Rollout,
+    logits,  # torch.Tensor [N, V]: verifier's logits of the rows that produced each token
+    hidden_states,  # torch.Tensor [N, H]: the same rows' last-layer hidden states
+    policy: VerificationPolicy,
+    *,
+    weights_hash: str,
+    eos_ids: frozenset[int],
+    decode: Decode,
+    request: RolloutRequest | None = None,
+) -> list[CheckResult]:
+    """Run every check; the rollout is acceptable iff all results passed."""
+    results = [
+        check_request(rollout, request),
+        check_weights(rollout, weights_hash),
+        check_termination(rollout, eos_ids, decode),
+    ]
+    s = rollout.sampling
+    if max(rollout.completion_ids) >= logits.shape[-1]:
+        bad = CheckResult(name="support", passed=False, detail="token id outside the vocabulary")
+        return results + [bad]
+    rep = replay(logits, rollout.completion_ids, RowParams(s.temperature, s.top_k, s.top_p), rollout.seed,
+                 policy.support_tolerance)
+    n = len(rollout.completion_ids)
+
+    outside = int((~rep.in_support).sum())
+    results.append(CheckResult(
+        name="support", passed=outside == 0,
+        detail=f"{outside}/{n} tokens outside top-k/top-p" if outside else "",
+        metrics={"tokens_outside": float(outside)},
+    ))
+
+    mism = int((rep.score_gap > policy.sampling_tolerance).sum())
+    frac = mism / n
+    results.append(CheckResult(
+        name="sampling", passed=frac <= policy.max_sampling_mismatch_fraction,
+        detail=f"{mism}/{n} tokens are not the seeded sampler's choice" if frac > policy.max_sampling_mismatch_fraction else "",
+        metrics={"mismatch_fraction": frac, "max_score_gap": float(rep.score_gap.max())},
+    ))
+
+    import torch
+
+    diff = (torch.tensor(rollout.logprobs, dtype=torch.float32) - rep.logprobs).abs()
+    max_diff, mean_diff = float(diff.max()), float(diff.mean())
+    ok = max_diff <= policy.max_logprob_abs_diff and mean_diff <= policy.max_logprob_mean_abs_diff
+    results.append(CheckResult(
+        name="logprobs", passed=ok,
+        detail="" if ok else f"claimed logprobs differ by up to {max_diff:.3f} (mean {mean_diff:.4f})",
+        metrics={"max_abs_diff": max_diff, "mean_abs_diff": mean_diff},
+    ))
+
+    pc = check_proof(hidden_states, rollout.proof, rollout.proof_params, policy)
+    results.append(CheckResult(
+        name="proof", passed=pc.passed, detail=pc.detail,
+        metrics={"exp_mismatches": float(pc.worst_exp_mismatches), "mant_err_mean": float(pc.worst_mant_err_mean),
+                 "mant_err_median": float(pc.worst_mant_err_median)},
+    ))
+    return results

@@ -1,0 +1,150 @@
+"""Seeded sampling that any engine reproduces and any verifier can replay.
+
+Every token is chosen as ``argmax(filter(logits / T) + g)``, where ``g`` is Gumbel noise
+from a counter-based hash of (request seed, completion position, vocabulary index) and
+``filter`` applies top-k then top-p. This is an exact sample from the filtered softmax,
+and because the noise depends only on the seed and the position, a verifier that has its
+own logits recomputes the choice of every token (section 10 of DESIGN.md).
+
+Invariants:
+- The noise is bit-identical on every device and engine: it is integer arithmetic
+  (SplitMix64, wrapping int64) followed by float64 transforms.
+- Logprobs are reported under ``log_softmax(logits / T)`` (``T = 1`` for greedy), without
+  the top-k/top-p truncation: that is the behaviour policy the trainer divides by.
+- Temperature 0 is greedy: no noise, argmax of the filtered logits.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+_MASK64 = (1 << 64) - 1
+_GOLDEN = 0x9E3779B97F4A7C15
+_C1 = 0xBF58476D1CE4E5B9
+_C2 = 0x94D049BB133111EB
+
+
+def _signed(x: int) -> int:
+    x &= _MASK64
+    return x - (1 << 64) if x >= 1 << 63 else x
+
+
+def _splitmix_int(x: int) -> int:
+    z = (x + _GOLDEN) & _MASK64
+    z = ((z ^ (z >> 30)) * _C1) & _MASK64
+    z = ((z ^ (z >> 27)) * _C2) & _MASK64
+    return z ^ (z >> 31)
+
+
+def _lshr(x: torch.Tensor, s: int) -> torch.Tensor:
+    """Logical right shift of wrapping int64 values."""
+    return (x >> s) & ((1 << (64 - s)) - 1)
+
+
+def _splitmix_tensor(z: torch.Tensor) -> torch.Tensor:
+    z = (z ^ _lshr(z, 30)) * _signed(_C1)
+    z = (z ^ _lshr(z, 27)) * _signed(_C2)
+    return z ^ _lshr(z, 31)
+
+
+def row_key(seed: int, position: int) -> int:
+    """64-bit key of one (seed, completion position) pair, as a signed int64."""
+    return _signed(_splitmix_int(_splitmix_int(seed) ^ (position & _MASK64)))
+
+
+def gumbel_noise(seeds: list[int], positions: list[int], vocab: int, device: torch.device | str = "cpu") -> torch.Tensor:
+    """Gumbel(0, 1) noise of shape [len(seeds), vocab], float32, identical on every device."""
+    keys = torch.tensor([row_key(s, p) for s, p in zip(seeds, positions, strict=True)], dtype=torch.int64, device=device)
+    idx = torch.arange(vocab, dtype=torch.int64, device=device) * _signed(_GOLDEN)
+    z = _splitmix_tensor(keys[:, None] + idx[None, :])
+    u = (_lshr(z, 11).to(torch.float64) + 0.5) * (2.0**-53)
+    return (-torch.log(-torch.log(u))).to(torch.float32)
+
+
+@dataclass(frozen=True)
+class RowParams:
+    """Sampling parameters of one row of a batch."""
+
+    temperature: float
+    top_k: int
+    top_p: float
+
+    @property
+    def scale(self) -> float:
+        return self.temperature if self.temperature > 0 else 1.0
+
+
+def _param_tensors(params: list[RowParams], vocab: int, device: torch.device) -> tuple[torch.Tensor, ...]:
+    t = torch.tensor([p.scale for p in params], dtype=torch.float32, device=device)
+    k = torch.tensor([p.top_k if 0 < p.top_k < vocab else vocab for p in params], device=device)
+    top_p = torch.tensor([p.top_p for p in params], dtype=torch.float32, device=device)
+    return t, k, top_p
+
+
+def support_mask(scaled: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, p_slack: float = 0.0) -> torch.Tensor:
+    """Boolean [B, V]: tokens kept by top-k then top-p (with `p_slack` added to p)."""
+    vocab = scaled.shape[-1]
+    if bool((top_k >= vocab).all()) and bool((top_p >= 1.0).all()):
+        return torch.ones_like(scaled, dtype=torch.bool)
+    sorted_vals, sorted_idx = scaled.sort(dim=-1, descending=True)
+    ranks = torch.arange(vocab, device=scaled.device)[None, :]
+    keep = ranks < top_k[:, None]
+    probs = torch.softmax(sorted_vals.masked_fill(~keep, float("-inf")), dim=-1)
+    mass_before = probs.cumsum(-1) - probs
+    keep &= mass_before < (top_p[:, None] + p_slack)
+    return torch.zeros_like(keep).scatter(-1, sorted_idx, keep)
+
+
+@dataclass
+class SampleOutput:
+    tokens: torch.Tensor  # [B] int64
+    logprobs: torch.Tensor  # [B] float32 under log_softmax(logits / T)
+
+
+def sample(logits: torch.Tensor, params: list[RowParams], seeds: list[int], positions: list[int]) -> SampleOutput:
+    """Choose one token per row of `logits` [B, V] (any dtype; computed in float32)."""
+    logits = logits.float()
+    vocab = logits.shape[-1]
+    t, k, p = _param_tensors(params, vocab, logits.device)
+    scaled = logits / t[:, None]
+    scores = scaled.masked_fill(~support_mask(scaled, k, p), float("-inf"))
+    stochastic = torch.tensor([x.temperature > 0 for x in params], device=logits.device)
+    if bool(stochastic.any()):
+        noise = gumbel_noise(seeds, positions, vocab, logits.device)
+        scores = scores + noise * stochastic[:, None]
+    tokens = scores.argmax(dim=-1)
+    logprobs = torch.log_softmax(scaled, dim=-1).gather(-1, tokens[:, None])[:, 0]
+    return SampleOutput(tokens, logprobs)
+
+
+@dataclass
+class ReplayResult:
+    """Per-token outcome of replaying a sampled completion on the verifier's logits."""
+
+    logprobs: torch.Tensor  # [N] verifier's logprobs of the claimed tokens
+    score_gap: torch.Tensor  # [N] best perturbed score minus the claimed token's (>= 0 when honest)
+    in_support: torch.Tensor  # [N] bool: claimed token inside top-k/top-p (with slack)
+
+
+def replay(logits: torch.Tensor, tokens: list[int], param: RowParams, seed: int, p_slack: float) -> ReplayResult:
+    """Replay the choice of `tokens` (one per row of `logits` [N, V]) under one request's params."""
+    logits = logits.float()
+    n, vocab = logits.shape
+    params = [param] * n
+    t, k, p = _param_tensors(params, vocab, logits.device)
+    scaled = logits / t[:, None]
+    tok = torch.tensor(tokens, dtype=torch.int64, device=logits.device)[:, None]
+    strict = support_mask(scaled, k, p)
+    lenient = support_mask(scaled, k, p, p_slack) if p_slack > 0 else strict
+    scores = scaled
+    if param.temperature > 0:
+        scores = scaled + gumbel_noise([seed] * n, list(range(n)), vocab, logits.device)
+    best = scores.masked_fill(~strict, float("-inf")).max(dim=-1).values
+    gap = best - scores.gather(-1, tok)[:, 0]
+    return ReplayResult(
+        logprobs=torch.log_softmax(scaled, dim=-1).gather(-1, tok)[:, 0],
+        score_gap=gap,
+        in_support=lenient.gather(-1, tok)[:, 0],
+    )
