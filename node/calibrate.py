@@ -84,7 +84,8 @@ def run_calibration(cfg: CalibrateConfig, console: Console) -> None:
         table.add_row(s.name, f"{s.median:.4g}", f"{s.p99:.4g}", f"{s.maximum:.4g}")
     console.print(table)
     toml = tomli_w.dumps({"verification": proposed.model_dump(mode="json")})
-    console.print("[bold]proposed thresholds[/bold]\n" + toml)
+    console.print("[bold]proposed thresholds[/bold]")
+    console.print(toml, markup=False, highlight=False)
     if cfg.out:
         cfg.out.parent.mkdir(parents=True, exist_ok=True)
         cfg.out.write_text(toml)

@@ -4,7 +4,7 @@ Each package declares its settings as a pydantic-settings model in its own `conf
 this module turns a command line into one of them. Sources, highest priority first:
 
 1. CLI flags with dotted paths: ``--engine.dtype bfloat16`` or ``--engine.dtype=bfloat16``
-   (a flag with no value is ``true``);
+   (a flag with no value is ``true``; a value starting with ``[`` or ``{`` is JSON);
 2. TOML files given as ``@ path.toml`` (several compose; a later file wins);
 3. ``PRIME_`` environment variables with ``__`` for nesting (``PRIME_ENGINE__DTYPE``);
 4. the defaults declared on the models.
@@ -16,6 +16,7 @@ with a message naming the key and the source; the resolved config can be written
 
 from __future__ import annotations
 
+import json
 import tomllib
 from pathlib import Path
 from typing import Any, TypeVar
@@ -73,6 +74,16 @@ def _read_toml(path: str) -> dict[str, Any]:
         raise ConfigError(f"{path} is not valid TOML: {exc}") from exc
 
 
+def _parse_value(key: str, value: str) -> Any:
+    """Flag values are strings, except JSON lists and tables (``--trusted-keys '["a", "b"]'``)."""
+    if value[:1] in "[{":
+        try:
+            return json.loads(value)
+        except json.JSONDecodeError as exc:
+            raise ConfigError(f"--{key}: {value!r} is not valid JSON: {exc}") from exc
+    return value
+
+
 def parse_args(argv: list[str]) -> dict[str, Any]:
     """Turn ``@ a.toml --x.y 1 --flag`` into a nested dict (TOML files first, flags over them)."""
     files: dict[str, Any] = {}
@@ -91,12 +102,12 @@ def parse_args(argv: list[str]) -> dict[str, Any]:
             raise ConfigError(f"unexpected argument {arg!r}: use --key value or @ file.toml")
         key, eq, value = arg[2:].partition("=")
         if not eq:
-            if i + 1 < len(argv) and not argv[i + 1].startswith("--") and argv[i + 1] != "@":
+            if i + 1 < len(argv) and not argv[i + 1].startswith(("--", "@")):
                 value = argv[i + 1]
                 i += 1
             else:
                 value = "true"
-        _set_path(flags, key, value)
+        _set_path(flags, key, _parse_value(key, value))
         i += 1
     return _deep_merge(files, flags)
 

@@ -13,6 +13,7 @@ Invariants:
 
 from __future__ import annotations
 
+import math
 import os
 import time
 from collections.abc import Callable
@@ -46,6 +47,12 @@ class ReplayError(EnvelopeError):
     """A (sender, nonce) pair seen before."""
 
     status = 409
+
+
+class ReplayCacheFullError(EnvelopeError):
+    """Too many live nonces to remember: the receiver is overloaded, try later."""
+
+    status = 503
 
 
 def _signed_part(v: int, sender: bytes, nonce: bytes, expires: float, kind: str, body: bytes) -> bytes:
@@ -92,7 +99,7 @@ class ReplayCache:
         if len(self._seen) >= self._max_entries or len(self._seen) % 1024 == 0:
             self._seen = {k: e for k, e in self._seen.items() if e >= now}
         if len(self._seen) >= self._max_entries:
-            raise ReplayError("replay cache is full; try again later")
+            raise ReplayCacheFullError("replay cache is full; try again later")
         key = (sender, nonce)
         if key in self._seen:
             raise ReplayError("replayed message: this nonce was already used")
@@ -129,7 +136,8 @@ def open_envelope(
     if v != PROTOCOL_VERSION:
         raise CodecError(f"protocol version {v!r} is not supported (this is {PROTOCOL_VERSION})")
     if not (isinstance(sender, bytes) and len(sender) == 32 and isinstance(nonce, bytes)
-            and len(nonce) >= 8 and isinstance(expires, int | float) and isinstance(kind, str)
+            and len(nonce) >= 8 and isinstance(expires, int | float) and math.isfinite(expires)
+            and isinstance(kind, str)
             and isinstance(body, bytes) and isinstance(sig, bytes)):
         raise CodecError("envelope fields have wrong types")
     if kind != model.__name__:
