@@ -48,11 +48,6 @@ def test_bare_flag_before_spaced_file(tmp_path):
     assert parse_args(["--flag", "@", f]) == {"flag": "true", "x": 1}
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="BUG protocol/config.py parse_args: a bare flag followed by the compact '@file.toml' "
-    "form takes the file path as its value instead of loading the file",
-)
 def test_bare_flag_before_compact_file(tmp_path):
     f = toml(tmp_path, "a.toml", "x = 1\n")
     assert parse_args(["--flag", "@" + f]) == {"flag": "true", "x": 1}
