@@ -98,11 +98,11 @@ class ReplayCache:
         now = self._clock()
         if len(self._seen) >= self._max_entries or len(self._seen) % 1024 == 0:
             self._seen = {k: e for k, e in self._seen.items() if e >= now}
-        if len(self._seen) >= self._max_entries:
-            raise ReplayCacheFullError("replay cache is full; try again later")
         key = (sender, nonce)
         if key in self._seen:
             raise ReplayError("replayed message: this nonce was already used")
+        if len(self._seen) >= self._max_entries:
+            raise ReplayCacheFullError("replay cache is full; try again later")
         self._seen[key] = expires
 
     def __len__(self) -> int:
