@@ -18,7 +18,9 @@ R = TypeVar("R")
 
 
 class Batcher(Generic[T, R]):
-    def __init__(self, fn: Callable[[list[T]], list[R]], executor: Executor, max_batch: int, wait_s: float):
+    def __init__(
+        self, fn: Callable[[list[T]], list[R]], executor: Executor, max_batch: int, wait_s: float
+    ):
         self.fn = fn
         self.executor = executor
         self.max_batch = max_batch
@@ -61,7 +63,9 @@ class Batcher(Generic[T, R]):
             if not live:
                 continue
             try:
-                results = await loop.run_in_executor(self.executor, self.fn, [item for item, _ in live])
+                results = await loop.run_in_executor(
+                    self.executor, self.fn, [item for item, _ in live]
+                )
             except Exception as exc:  # every caller of the batch learns why
                 for _, fut in live:
                     if not fut.done():

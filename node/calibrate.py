@@ -27,10 +27,18 @@ from verifier.checks import verify_rollout
 from verifier.proofs import build_proof
 
 PROMPT_TOPICS = [
-    "Write a short poem about the sea.", "Explain what a prime number is.", "List three uses of copper.",
-    "Describe a sunrise in two sentences.", "What is the capital of France?", "Give me a recipe for tea.",
-    "Summarize the plot of a heist movie.", "Why is the sky blue?", "Count from one to ten in words.",
-    "Reverse the word 'swarm'.", "Tell a joke about computers.", "How do bees make honey?",
+    "Write a short poem about the sea.",
+    "Explain what a prime number is.",
+    "List three uses of copper.",
+    "Describe a sunrise in two sentences.",
+    "What is the capital of France?",
+    "Give me a recipe for tea.",
+    "Summarize the plot of a heist movie.",
+    "Why is the sky blue?",
+    "Count from one to ten in words.",
+    "Reverse the word 'swarm'.",
+    "Tell a joke about computers.",
+    "How do bees make honey?",
 ]
 
 
@@ -50,34 +58,62 @@ def calibration_prompts(tokenizer, n: int, seed: int) -> list[list[int]]:
 
 def run_calibration(cfg: CalibrateConfig, console: Console) -> None:
     generator = create_engine(cfg.generator)
-    verifier = generator if cfg.verifier is None or cfg.verifier == cfg.generator else create_engine(cfg.verifier)
+    verifier = (
+        generator
+        if cfg.verifier is None or cfg.verifier == cfg.generator
+        else create_engine(cfg.verifier)
+    )
     policy = permissive_policy()
-    sampling = SamplingParams(temperature=cfg.temperature, top_p=cfg.top_p, max_tokens=cfg.max_tokens)
+    sampling = SamplingParams(
+        temperature=cfg.temperature, top_p=cfg.top_p, max_tokens=cfg.max_tokens
+    )
     prompts = calibration_prompts(generator.tokenizer, cfg.rollouts, cfg.seed)
     checks = []
     with Progress(console=console, transient=True) as progress:
         task = progress.add_task("generate + verify", total=len(prompts))
         for start in range(0, len(prompts), cfg.batch_size):
             batch = prompts[start : start + cfg.batch_size]
-            reqs = [GenerationRequest(p, sampling, cfg.seed * 100_003 + start + i) for i, p in enumerate(batch)]
+            reqs = [
+                GenerationRequest(p, sampling, cfg.seed * 100_003 + start + i)
+                for i, p in enumerate(batch)
+            ]
             results = generator.generate(reqs)
-            pre = verifier.prefill([(r.prompt_ids, g.completion_ids) for r, g in zip(reqs, results, strict=True)])
+            pre = verifier.prefill(
+                [(r.prompt_ids, g.completion_ids) for r, g in zip(reqs, results, strict=True)]
+            )
             for r, g, v in zip(reqs, results, pre, strict=True):
                 rollout = Rollout(
-                    request_id=f"cal-{start}", node_id="calibration", prompt_ids=r.prompt_ids,
-                    completion_ids=g.completion_ids, logprobs=g.logprobs, finish_reason=g.finish_reason,
-                    sampling=sampling, seed=r.seed, weights_version=0, weights_hash=verifier.weights_hash,
-                    proof_params=ProofParams(), proof=build_proof(g.hidden_states, ProofParams()),
+                    request_id=f"cal-{start}",
+                    node_id="calibration",
+                    prompt_ids=r.prompt_ids,
+                    completion_ids=g.completion_ids,
+                    logprobs=g.logprobs,
+                    finish_reason=g.finish_reason,
+                    sampling=sampling,
+                    seed=r.seed,
+                    weights_version=0,
+                    weights_hash=verifier.weights_hash,
+                    proof_params=ProofParams(),
+                    proof=build_proof(g.hidden_states, ProofParams()),
                 )
-                checks.append(verify_rollout(
-                    rollout, v.logits, v.hidden_states, policy, weights_hash=verifier.weights_hash,
-                    eos_ids=verifier.eos_token_ids, decode=verifier.tokenizer.decode,
-                ))
+                checks.append(
+                    verify_rollout(
+                        rollout,
+                        v.logits,
+                        v.hidden_states,
+                        policy,
+                        weights_hash=verifier.weights_hash,
+                        eos_ids=verifier.eos_token_ids,
+                        decode=verifier.tokenizer.decode,
+                    )
+                )
             progress.advance(task, len(batch))
     stats = summarize(collect(checks))
     proposed = propose(stats)
-    table = Table(title=f"honest errors over {len(checks)} rollouts "
-                        f"({cfg.generator.kind}/{cfg.generator.dtype} -> {(cfg.verifier or cfg.generator).kind})")
+    table = Table(
+        title=f"honest errors over {len(checks)} rollouts "
+        f"({cfg.generator.kind}/{cfg.generator.dtype} -> {(cfg.verifier or cfg.generator).kind})"
+    )
     for col in ("metric", "median", "p99", "max"):
         table.add_column(col)
     for s in stats:

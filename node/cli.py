@@ -29,7 +29,8 @@ def _config(cls, args: list[str]):
 
 def setup_logging(level: str = "INFO") -> None:
     logging.basicConfig(
-        level=level, stream=sys.stderr,
+        level=level,
+        stream=sys.stderr,
         format='{"ts":"%(asctime)s","level":"%(levelname)s","logger":"%(name)s","msg":"%(message)s"}',
     )
 
@@ -54,21 +55,41 @@ def serve(ctx: typer.Context) -> None:
     identity = Identity.load_or_create(cfg.key_file)
     with console.status(f"loading {cfg.engine.model} on the {cfg.engine.kind} engine"):
         engine = create_engine(cfg.engine)
-    worker = Worker(engine, identity, cfg.verification, max_batch_size=cfg.engine.max_batch_size,
-                    batch_wait_s=cfg.engine.batch_wait_ms / 1000, max_model_len=cfg.engine.max_model_len,
-                    pool_id=cfg.pool_id)
-    server = NodeServer(worker, model_name=cfg.server.served_model_name or cfg.engine.model,
-                        trusted_keys=cfg.trusted_keys, max_body_bytes=cfg.server.max_body_bytes,
-                        max_concurrent=cfg.server.max_concurrent_requests,
-                        rollout_cache_size=cfg.server.rollout_cache_size)
-    console.print(f"node [bold]{identity.node_id}[/bold] serving {cfg.engine.model} "
-                  f"at http://{cfg.server.host}:{cfg.server.port}/v1")
-    web.run_app(server.app(), host=cfg.server.host, port=cfg.server.port, print=None,
-                access_log=None, handle_signals=True)
+    worker = Worker(
+        engine,
+        identity,
+        cfg.verification,
+        max_batch_size=cfg.engine.max_batch_size,
+        batch_wait_s=cfg.engine.batch_wait_ms / 1000,
+        max_model_len=cfg.engine.max_model_len,
+        pool_id=cfg.pool_id,
+    )
+    server = NodeServer(
+        worker,
+        model_name=cfg.server.served_model_name or cfg.engine.model,
+        trusted_keys=cfg.trusted_keys,
+        max_body_bytes=cfg.server.max_body_bytes,
+        max_concurrent=cfg.server.max_concurrent_requests,
+        rollout_cache_size=cfg.server.rollout_cache_size,
+    )
+    console.print(
+        f"node [bold]{identity.node_id}[/bold] serving {cfg.engine.model} "
+        f"at http://{cfg.server.host}:{cfg.server.port}/v1"
+    )
+    web.run_app(
+        server.app(),
+        host=cfg.server.host,
+        port=cfg.server.port,
+        print=None,
+        access_log=None,
+        handle_signals=True,
+    )
 
 
 @app.command()
-def keygen(key_file: str = typer.Option("~/.prime-swarm/node.key", help="Key file to create or read.")) -> None:
+def keygen(
+    key_file: str = typer.Option("~/.prime-swarm/node.key", help="Key file to create or read."),
+) -> None:
     """Create the node key (mode 0600) if missing and print the node id."""
     from protocol.identity import Identity, IdentityError
 

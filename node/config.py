@@ -107,7 +107,9 @@ class NodeConfig(PrimeSettings):
             import importlib.util
 
             if importlib.util.find_spec("vllm") is None:
-                raise ValueError("engine.kind = 'vllm' needs vLLM installed (pip install 'prime-swarm[vllm]')")
+                raise ValueError(
+                    "engine.kind = 'vllm' needs vLLM installed (pip install 'prime-swarm[vllm]')"
+                )
         return self
 
 

@@ -33,17 +33,36 @@ MSGPACK = {"Content-Type": "application/msgpack"}
 
 def start_worker(name: str, run_dir: Path, model: str) -> tuple[ManagedProcess, str]:
     port = free_port()
-    cmd = [sys.executable, "-m", "node.cli", "serve", "--engine.model", model, "--server.port", str(port),
-           "--key-file", str(run_dir / f"{name}.key"), "--log-dir", str(run_dir / name),
-           "@", str(Path(__file__).resolve().parent.parent / "configs" / "verification" / "smollm2-torch-cpu-fp32.toml")]
+    cmd = [
+        sys.executable,
+        "-m",
+        "node.cli",
+        "serve",
+        "--engine.model",
+        model,
+        "--server.port",
+        str(port),
+        "--key-file",
+        str(run_dir / f"{name}.key"),
+        "--log-dir",
+        str(run_dir / name),
+        "@",
+        str(
+            Path(__file__).resolve().parent.parent
+            / "configs"
+            / "verification"
+            / "smollm2-torch-cpu-fp32.toml"
+        ),
+    ]
     url = f"http://127.0.0.1:{port}"
     return ManagedProcess.start(name, cmd, f"{url}/health", run_dir / f"{name}.log"), url
 
 
 def verify(url: str, scheduler: Identity, rollout_envelope: bytes) -> Verdict:
     body = seal(scheduler, VerifyRequest(rollout_envelope=rollout_envelope))
-    return open_envelope(httpx.post(f"{url}/v1/verify", content=body, headers=MSGPACK, timeout=120).content,
-                         Verdict).message
+    return open_envelope(
+        httpx.post(f"{url}/v1/verify", content=body, headers=MSGPACK, timeout=120).content, Verdict
+    ).message
 
 
 def main(model: str = "smollm2", run_dir: Path = Path("runs/demo")) -> None:
@@ -63,16 +82,27 @@ def main(model: str = "smollm2", run_dir: Path = Path("runs/demo")) -> None:
         last_envelope = None
         for q in QUESTIONS:
             t0 = time.time()
-            resp = client.chat.completions.create(model=model, messages=[{"role": "user", "content": q}],
-                                                  max_tokens=48, temperature=1.0, seed=len(q), logprobs=True)
+            resp = client.chat.completions.create(
+                model=model,
+                messages=[{"role": "user", "content": q}],
+                max_tokens=48,
+                temperature=1.0,
+                seed=len(q),
+                logprobs=True,
+            )
             gen_s = time.time() - t0
             envelope = httpx.get(f"{a_url}/v1/rollouts/{resp.model_extra['rollout_id']}").content
             rollout = open_envelope(envelope, Rollout, check_expiry=False).message
             verdict = verify(b_url, scheduler, envelope)
             last_envelope = (envelope, rollout)
-            table.add_row(q, resp.choices[0].message.content.strip(), str(resp.usage.completion_tokens),
-                          f"{gen_s:.1f}", str(sum(len(p) for p in rollout.proof)),
-                          "[green]accepted[/green]" if verdict.accepted else f"[red]{verdict.reasons}[/red]")
+            table.add_row(
+                q,
+                resp.choices[0].message.content.strip(),
+                str(resp.usage.completion_tokens),
+                f"{gen_s:.1f}",
+                str(sum(len(p) for p in rollout.proof)),
+                "[green]accepted[/green]" if verdict.accepted else f"[red]{verdict.reasons}[/red]",
+            )
         console.print(table)
         # A cheater edits one token of the last answer and re-signs it as its own.
         _, rollout = last_envelope
@@ -81,9 +111,11 @@ def main(model: str = "smollm2", run_dir: Path = Path("runs/demo")) -> None:
         ids[len(ids) // 2] = (ids[len(ids) // 2] + 1) % 49152
         forged = rollout.model_copy(update={"completion_ids": ids, "node_id": cheater.node_id})
         verdict = verify(b_url, scheduler, seal(cheater, forged))
-        console.print(f"tampered copy (one token edited): "
-                      f"{'[green]accepted[/green]' if verdict.accepted else '[red]rejected[/red]'} -> "
-                      f"{'; '.join(verdict.reasons)}")
+        console.print(
+            f"tampered copy (one token edited): "
+            f"{'[green]accepted[/green]' if verdict.accepted else '[red]rejected[/red]'} -> "
+            f"{'; '.join(verdict.reasons)}"
+        )
         console.print(f"logs and keys in {run_dir}/")
     finally:
         a.stop()

@@ -124,7 +124,9 @@ def smollm2_path() -> Path:
 
     gguf = _smollm2_gguf()
     tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
-    model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.bfloat16)
+    model = AutoModelForCausalLM.from_pretrained(
+        gguf.parent, gguf_file=gguf.name, dtype=torch.bfloat16
+    )
     # Loaded from GGUF the model keeps a quantizer that makes it slow and unsaveable.
     model.hf_quantizer = None
     if hasattr(model.config, "quantization_config"):

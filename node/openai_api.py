@@ -50,9 +50,12 @@ class _OpenAIRequest(BaseModel):
     def sampling(self, default_max_tokens: int) -> SamplingParams:
         stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
         return SamplingParams(
-            temperature=self.temperature, top_p=self.top_p, top_k=max(self.top_k, 0),
+            temperature=self.temperature,
+            top_p=self.top_p,
+            top_k=max(self.top_k, 0),
             max_tokens=self.max_completion_tokens or self.max_tokens or default_max_tokens,
-            stop=tuple(stop), ignore_eos=self.ignore_eos,
+            stop=tuple(stop),
+            ignore_eos=self.ignore_eos,
         )
 
 
@@ -64,7 +67,9 @@ class ChatMessage(BaseModel):
 
     def text(self) -> str:
         if isinstance(self.content, list):
-            return "".join(part.get("text", "") for part in self.content if part.get("type") == "text")
+            return "".join(
+                part.get("text", "") for part in self.content if part.get("type") == "text"
+            )
         return self.content or ""
 
 
@@ -114,13 +119,17 @@ def _token_entry(tokenizer, token_id: int, logprob: float) -> dict[str, Any]:
     return {"token": token, "logprob": logprob, "bytes": list(token.encode("utf-8"))}
 
 
-def chat_response(rollout, text: str, tokenizer, model: str, want_logprobs: bool, top) -> dict[str, Any]:
+def chat_response(
+    rollout, text: str, tokenizer, model: str, want_logprobs: bool, top
+) -> dict[str, Any]:
     logprobs = None
     if want_logprobs:
         content = []
         for k, (tid, lp) in enumerate(zip(rollout.completion_ids, rollout.logprobs, strict=True)):
             entry = _token_entry(tokenizer, tid, lp)
-            entry["top_logprobs"] = [_token_entry(tokenizer, i, v) for i, v in (top[k] if top else [])]
+            entry["top_logprobs"] = [
+                _token_entry(tokenizer, i, v) for i, v in (top[k] if top else [])
+            ]
             content.append(entry)
         logprobs = {"content": content}
     return {
@@ -130,18 +139,22 @@ def chat_response(rollout, text: str, tokenizer, model: str, want_logprobs: bool
         "model": model,
         "rollout_id": rollout.request_id,
         "prompt_token_ids": rollout.prompt_ids,
-        "choices": [{
-            "index": 0,
-            "message": {"role": "assistant", "content": text},
-            "finish_reason": rollout.finish_reason,
-            "logprobs": logprobs,
-            "token_ids": rollout.completion_ids,
-        }],
+        "choices": [
+            {
+                "index": 0,
+                "message": {"role": "assistant", "content": text},
+                "finish_reason": rollout.finish_reason,
+                "logprobs": logprobs,
+                "token_ids": rollout.completion_ids,
+            }
+        ],
         "usage": _usage(rollout),
     }
 
 
-def completion_response(rollout, text: str, tokenizer, model: str, n_logprobs: int | None, top) -> dict[str, Any]:
+def completion_response(
+    rollout, text: str, tokenizer, model: str, n_logprobs: int | None, top
+) -> dict[str, Any]:
     logprobs = None
     if n_logprobs is not None:
         tokens = [tokenizer.decode([t]) for t in rollout.completion_ids]
@@ -152,7 +165,9 @@ def completion_response(rollout, text: str, tokenizer, model: str, n_logprobs: i
         logprobs = {
             "tokens": tokens,
             "token_logprobs": rollout.logprobs,
-            "top_logprobs": [{tokenizer.decode([i]): v for i, v in row} for row in top] if top else None,
+            "top_logprobs": [{tokenizer.decode([i]): v for i, v in row} for row in top]
+            if top
+            else None,
             "text_offset": offsets,
         }
     return {
@@ -162,10 +177,15 @@ def completion_response(rollout, text: str, tokenizer, model: str, n_logprobs: i
         "model": model,
         "rollout_id": rollout.request_id,
         "prompt_token_ids": rollout.prompt_ids,
-        "choices": [{
-            "index": 0, "text": text, "finish_reason": rollout.finish_reason,
-            "logprobs": logprobs, "token_ids": rollout.completion_ids,
-        }],
+        "choices": [
+            {
+                "index": 0,
+                "text": text,
+                "finish_reason": rollout.finish_reason,
+                "logprobs": logprobs,
+                "token_ids": rollout.completion_ids,
+            }
+        ],
         "usage": _usage(rollout),
     }
 

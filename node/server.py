@@ -47,7 +47,9 @@ MSGPACK = "application/msgpack"
 
 
 def _error(status: int, message: str, kind: str = "invalid_request_error") -> web.Response:
-    return web.json_response({"error": {"message": message, "type": kind, "code": status}}, status=status)
+    return web.json_response(
+        {"error": {"message": message, "type": kind, "code": status}}, status=status
+    )
 
 
 @web.middleware
@@ -66,14 +68,24 @@ async def error_middleware(request: web.Request, handler):
         log.warning("%s %s -> 400 %s", request.method, request.path, exc)
         return _error(400, str(exc))
     except ValidationError as exc:
-        msg = "; ".join(f"{'.'.join(map(str, e['loc'])) or 'body'}: {e['msg']}" for e in exc.errors()[:5])
+        msg = "; ".join(
+            f"{'.'.join(map(str, e['loc'])) or 'body'}: {e['msg']}" for e in exc.errors()[:5]
+        )
         log.warning("%s %s -> 400 %s", request.method, request.path, msg)
         return _error(400, msg)
 
 
 class NodeServer:
-    def __init__(self, worker: Worker, *, model_name: str, trusted_keys: list[str], max_body_bytes: int,
-                 max_concurrent: int, rollout_cache_size: int):
+    def __init__(
+        self,
+        worker: Worker,
+        *,
+        model_name: str,
+        trusted_keys: list[str],
+        max_body_bytes: int,
+        max_concurrent: int,
+        rollout_cache_size: int,
+    ):
         self.worker = worker
         self.model_name = model_name
         self.trusted = {public_key_from_node_id(k) for k in trusted_keys}
@@ -87,18 +99,20 @@ class NodeServer:
 
     def app(self) -> web.Application:
         app = web.Application(client_max_size=self.max_body_bytes, middlewares=[error_middleware])
-        app.add_routes([
-            web.get("/health", self.health),
-            web.get("/v1/models", self.models),
-            web.post("/v1/completions", self.completions),
-            web.post("/v1/chat/completions", self.chat_completions),
-            web.post("/tokenize", self.tokenize),
-            web.post("/v1/rollouts", self.rollout),
-            web.get("/v1/rollouts/{rollout_id}", self.get_rollout),
-            web.post("/v1/verify", self.verify),
-            web.post("/v1/weights/update", self.weights_update),
-            web.post("/v1/weights/reload", self.weights_reload),
-        ])
+        app.add_routes(
+            [
+                web.get("/health", self.health),
+                web.get("/v1/models", self.models),
+                web.post("/v1/completions", self.completions),
+                web.post("/v1/chat/completions", self.chat_completions),
+                web.post("/tokenize", self.tokenize),
+                web.post("/v1/rollouts", self.rollout),
+                web.get("/v1/rollouts/{rollout_id}", self.get_rollout),
+                web.post("/v1/verify", self.verify),
+                web.post("/v1/weights/update", self.weights_update),
+                web.post("/v1/weights/reload", self.weights_reload),
+            ]
+        )
         app.on_startup.append(self._on_startup)
         app.on_cleanup.append(self._on_cleanup)
         return app
@@ -123,7 +137,9 @@ class NodeServer:
     async def _limited(self, coro):
         if self.slots.locked():
             coro.close()
-            raise web.HTTPServiceUnavailable(text=f"node is saturated ({self.max_concurrent} requests in flight)")
+            raise web.HTTPServiceUnavailable(
+                text=f"node is saturated ({self.max_concurrent} requests in flight)"
+            )
         async with self.slots:
             return await coro
 
@@ -140,7 +156,9 @@ class NodeServer:
 
     def _request(self, prompt_ids: list[int], body) -> RolloutRequest:
         return RolloutRequest(
-            request_id=uuid.uuid4().hex, pool_id=self.worker.pool_id, prompt_ids=prompt_ids,
+            request_id=uuid.uuid4().hex,
+            pool_id=self.worker.pool_id,
+            prompt_ids=prompt_ids,
             sampling=body.sampling(default_max_tokens=256),
             seed=body.seed if body.seed is not None else int.from_bytes(os.urandom(8)) & MAX_SEED,
         )
@@ -150,21 +168,39 @@ class NodeServer:
         if not tok.chat_template:
             raise RequestRejected("this model has no chat template; use /v1/completions")
         conversation = [{"role": m.role, "content": m.text()} for m in messages]
-        ids = tok.apply_chat_template(conversation, add_generation_prompt=add_generation_prompt, tokenize=True)
+        ids = tok.apply_chat_template(
+            conversation, add_generation_prompt=add_generation_prompt, tokenize=True
+        )
         return list(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids)
 
     # -- routes --------------------------------------------------------------------
     async def health(self, _request: web.Request) -> web.Response:
         engine = self.worker.engine
-        return web.json_response({
-            "status": "ok", "node_id": self.worker.node_id, "weights_version": engine.weights_version,
-            "weights_hash": engine.weights_hash, "outstanding": self.worker.outstanding, "stats": self.worker.stats,
-        })
+        return web.json_response(
+            {
+                "status": "ok",
+                "node_id": self.worker.node_id,
+                "weights_version": engine.weights_version,
+                "weights_hash": engine.weights_hash,
+                "outstanding": self.worker.outstanding,
+                "stats": self.worker.stats,
+            }
+        )
 
     async def models(self, _request: web.Request) -> web.Response:
-        return web.json_response({"object": "list", "data": [
-            {"id": self.model_name, "object": "model", "owned_by": "prime-swarm",
-             "max_model_len": self.worker.max_model_len}]})
+        return web.json_response(
+            {
+                "object": "list",
+                "data": [
+                    {
+                        "id": self.model_name,
+                        "object": "model",
+                        "owned_by": "prime-swarm",
+                        "max_model_len": self.worker.max_model_len,
+                    }
+                ],
+            }
+        )
 
     async def chat_completions(self, request: web.Request) -> web.Response:
         body = await self._json(request, ChatCompletionRequest)
@@ -173,20 +209,40 @@ class NodeServer:
         signed = await self._limited(self.worker.generate(rreq, top_logprobs=top))
         self._remember(rreq.request_id, signed.envelope)
         tok = self.worker.engine.tokenizer
-        return web.json_response(chat_response(signed.rollout, self._text(signed.rollout), tok, self.model_name,
-                                               body.logprobs, signed.top_logprobs))
+        return web.json_response(
+            chat_response(
+                signed.rollout,
+                self._text(signed.rollout),
+                tok,
+                self.model_name,
+                body.logprobs,
+                signed.top_logprobs,
+            )
+        )
 
     async def completions(self, request: web.Request) -> web.Response:
         body = await self._json(request, CompletionRequest)
         tok = self.worker.engine.tokenizer
-        ids = body.prompt if isinstance(body.prompt, list) else tok.encode(body.prompt, add_special_tokens=False)
+        ids = (
+            body.prompt
+            if isinstance(body.prompt, list)
+            else tok.encode(body.prompt, add_special_tokens=False)
+        )
         if not ids:
             raise RequestRejected("prompt encodes to no tokens")
         rreq = self._request(list(ids), body)
         signed = await self._limited(self.worker.generate(rreq, top_logprobs=body.logprobs or 0))
         self._remember(rreq.request_id, signed.envelope)
-        return web.json_response(completion_response(signed.rollout, self._text(signed.rollout), tok,
-                                                     self.model_name, body.logprobs, signed.top_logprobs))
+        return web.json_response(
+            completion_response(
+                signed.rollout,
+                self._text(signed.rollout),
+                tok,
+                self.model_name,
+                body.logprobs,
+                signed.top_logprobs,
+            )
+        )
 
     async def tokenize(self, request: web.Request) -> web.Response:
         body = await self._json(request, TokenizeRequest)
@@ -195,11 +251,17 @@ class NodeServer:
             ids = self._chat_ids(body.messages, body.add_generation_prompt)
         else:
             ids = tok.encode(body.prompt, add_special_tokens=body.add_special_tokens)
-        return web.json_response({"tokens": list(ids), "count": len(ids), "max_model_len": self.worker.max_model_len})
+        return web.json_response(
+            {"tokens": list(ids), "count": len(ids), "max_model_len": self.worker.max_model_len}
+        )
 
     async def rollout(self, request: web.Request) -> web.Response:
-        opened = open_envelope(await request.read(), RolloutRequest, replay_cache=self.replay,
-                               max_bytes=self.max_body_bytes)
+        opened = open_envelope(
+            await request.read(),
+            RolloutRequest,
+            replay_cache=self.replay,
+            max_bytes=self.max_body_bytes,
+        )
         signed = await self._limited(self.worker.generate(opened.message))
         return web.Response(body=signed.envelope, content_type=MSGPACK)
 
@@ -210,36 +272,63 @@ class NodeServer:
         return web.Response(body=envelope, content_type=MSGPACK)
 
     async def verify(self, request: web.Request) -> web.Response:
-        opened = open_envelope(await request.read(), VerifyRequest, replay_cache=self.replay,
-                               max_bytes=self.max_body_bytes)
+        opened = open_envelope(
+            await request.read(),
+            VerifyRequest,
+            replay_cache=self.replay,
+            max_bytes=self.max_body_bytes,
+        )
         verdict, envelope = await self._limited(self.worker.verify(opened.message))
-        log.info("verified %s from %s: %s", verdict.request_id, verdict.generator_id,
-                 "accepted" if verdict.accepted else "rejected (" + "; ".join(verdict.reasons) + ")")
+        log.info(
+            "verified %s from %s: %s",
+            verdict.request_id,
+            verdict.generator_id,
+            "accepted" if verdict.accepted else "rejected (" + "; ".join(verdict.reasons) + ")",
+        )
         return web.Response(body=envelope, content_type=MSGPACK)
 
     async def _load(self, update: WeightUpdate) -> web.Response:
         loop = asyncio.get_running_loop()
         try:
-            await loop.run_in_executor(self.worker.executor, self.worker.engine.load_weights,
-                                       update.path, update.version, update.weights_hash)
+            await loop.run_in_executor(
+                self.worker.executor,
+                self.worker.engine.load_weights,
+                update.path,
+                update.version,
+                update.weights_hash,
+            )
         except (FileNotFoundError, ValueError, RuntimeError) as exc:
             raise RequestRejected(f"cannot load weights from {update.path}: {exc}") from exc
         self.weights_path = update.path
         engine = self.worker.engine
         log.info("loaded weights version %d (%s)", engine.weights_version, engine.weights_hash[:12])
-        return web.json_response({"weights_version": engine.weights_version, "weights_hash": engine.weights_hash})
+        return web.json_response(
+            {"weights_version": engine.weights_version, "weights_hash": engine.weights_hash}
+        )
 
     async def weights_update(self, request: web.Request) -> web.Response:
-        opened = open_envelope(await request.read(), WeightUpdate, replay_cache=self.replay,
-                               trusted_senders=self.trusted, max_bytes=self.max_body_bytes)
+        opened = open_envelope(
+            await request.read(),
+            WeightUpdate,
+            replay_cache=self.replay,
+            trusted_senders=self.trusted,
+            max_bytes=self.max_body_bytes,
+        )
         return await self._load(opened.message)
 
     async def weights_reload(self, request: web.Request) -> web.Response:
         """Re-read the current weights from disk (after a repair of the files, say)."""
-        opened = open_envelope(await request.read(), WeightReload, replay_cache=self.replay,
-                               trusted_senders=self.trusted, max_bytes=self.max_body_bytes)
+        opened = open_envelope(
+            await request.read(),
+            WeightReload,
+            replay_cache=self.replay,
+            trusted_senders=self.trusted,
+            max_bytes=self.max_body_bytes,
+        )
         engine = self.worker.engine
         if opened.message.version != engine.weights_version:
-            raise RequestRejected(f"node holds version {engine.weights_version}, not {opened.message.version}")
+            raise RequestRejected(
+                f"node holds version {engine.weights_version}, not {opened.message.version}"
+            )
         path = self.weights_path or str(getattr(engine, "model_path", ""))
         return await self._load(WeightUpdate(version=engine.weights_version, path=path))

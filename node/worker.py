@@ -21,7 +21,14 @@ from node.batcher import Batcher
 from node.engines.base import GenerationRequest, GenerationResult, InferenceEngine, PrefillResult
 from protocol.envelope import EnvelopeError, open_envelope, seal
 from protocol.identity import Identity
-from protocol.messages import CheckResult, Rollout, RolloutRequest, Verdict, VerificationPolicy, VerifyRequest
+from protocol.messages import (
+    CheckResult,
+    Rollout,
+    RolloutRequest,
+    Verdict,
+    VerificationPolicy,
+    VerifyRequest,
+)
 from verifier.checks import verify_rollout
 from verifier.proofs import build_proof
 
@@ -38,8 +45,17 @@ class SignedRollout:
 
 
 class Worker:
-    def __init__(self, engine: InferenceEngine, identity: Identity, policy: VerificationPolicy,
-                 *, max_batch_size: int, batch_wait_s: float, max_model_len: int, pool_id: str = "local"):
+    def __init__(
+        self,
+        engine: InferenceEngine,
+        identity: Identity,
+        policy: VerificationPolicy,
+        *,
+        max_batch_size: int,
+        batch_wait_s: float,
+        max_model_len: int,
+        pool_id: str = "local",
+    ):
         self.engine = engine
         self.identity = identity
         self.policy = policy
@@ -52,7 +68,13 @@ class Worker:
         self.prefill_batcher: Batcher[tuple[list[int], list[int]], PrefillResult] = Batcher(
             engine.prefill, self.executor, max_batch_size, batch_wait_s
         )
-        self.stats = {"generated": 0, "generated_tokens": 0, "verified": 0, "accepted": 0, "rejected": 0}
+        self.stats = {
+            "generated": 0,
+            "generated_tokens": 0,
+            "verified": 0,
+            "accepted": 0,
+            "rejected": 0,
+        }
 
     @property
     def node_id(self) -> str:
@@ -75,7 +97,9 @@ class Worker:
         vocab = self.engine.vocab_size
         bad = [t for t in ids if not 0 <= t < vocab]
         if bad:
-            raise RequestRejected(f"{what} has token id {bad[0]} outside the vocabulary (size {vocab})")
+            raise RequestRejected(
+                f"{what} has token id {bad[0]} outside the vocabulary (size {vocab})"
+            )
 
     # -- generation ----------------------------------------------------------------
     async def generate(self, request: RolloutRequest, top_logprobs: int = 0) -> SignedRollout:
@@ -87,15 +111,26 @@ class Worker:
             )
         self._check_tokens(request.prompt_ids, "prompt")
         version, weights_hash = self.engine.weights_version, self.engine.weights_hash
-        result = await self.gen_batcher.submit(GenerationRequest(request.prompt_ids, request.sampling, request.seed, top_logprobs))
+        result = await self.gen_batcher.submit(
+            GenerationRequest(request.prompt_ids, request.sampling, request.seed, top_logprobs)
+        )
         proof = await asyncio.get_running_loop().run_in_executor(
             None, build_proof, result.hidden_states, request.proof
         )
         rollout = Rollout(
-            request_id=request.request_id, pool_id=request.pool_id, node_id=self.node_id,
-            prompt_ids=request.prompt_ids, completion_ids=result.completion_ids, logprobs=result.logprobs,
-            finish_reason=result.finish_reason, sampling=request.sampling, seed=request.seed,
-            weights_version=version, weights_hash=weights_hash, proof_params=request.proof, proof=proof,
+            request_id=request.request_id,
+            pool_id=request.pool_id,
+            node_id=self.node_id,
+            prompt_ids=request.prompt_ids,
+            completion_ids=result.completion_ids,
+            logprobs=result.logprobs,
+            finish_reason=result.finish_reason,
+            sampling=request.sampling,
+            seed=request.seed,
+            weights_version=version,
+            weights_hash=weights_hash,
+            proof_params=request.proof,
+            proof=proof,
         )
         self.stats["generated"] += 1
         self.stats["generated_tokens"] += len(result.completion_ids)
@@ -107,16 +142,26 @@ class Worker:
         opened = open_envelope(request.rollout_envelope, Rollout, check_expiry=False)
         rollout = opened.message
         if opened.sender_id != rollout.node_id:
-            checks = [CheckResult(name="signature", passed=False,
-                                  detail=f"signed by {opened.sender_id}, claims to be from {rollout.node_id}")]
-        elif request.expected_weights_hash and request.expected_weights_hash != self.engine.weights_hash:
+            checks = [
+                CheckResult(
+                    name="signature",
+                    passed=False,
+                    detail=f"signed by {opened.sender_id}, claims to be from {rollout.node_id}",
+                )
+            ]
+        elif (
+            request.expected_weights_hash
+            and request.expected_weights_hash != self.engine.weights_hash
+        ):
             raise EnvelopeError(
                 f"this node holds weights {self.engine.weights_hash[:12]}, not {request.expected_weights_hash[:12]}"
             )
         elif len(rollout.prompt_ids) + len(rollout.completion_ids) > self.max_model_len:
             checks = [CheckResult(name="request", passed=False, detail="longer than max_model_len")]
         elif max(rollout.prompt_ids + rollout.completion_ids) >= self.engine.vocab_size:
-            checks = [CheckResult(name="support", passed=False, detail="token id outside the vocabulary")]
+            checks = [
+                CheckResult(name="support", passed=False, detail="token id outside the vocabulary")
+            ]
         else:
             weights_hash = self.engine.weights_hash
             pre = await self.prefill_batcher.submit((rollout.prompt_ids, rollout.completion_ids))
@@ -124,15 +169,24 @@ class Worker:
             checks = await asyncio.get_running_loop().run_in_executor(
                 None,
                 lambda: verify_rollout(
-                    rollout, pre.logits, pre.hidden_states, self.policy, weights_hash=weights_hash,
+                    rollout,
+                    pre.logits,
+                    pre.hidden_states,
+                    self.policy,
+                    weights_hash=weights_hash,
                     eos_ids=self.engine.eos_token_ids,
-                    decode=lambda ids: tok.decode(ids, skip_special_tokens=False), request=request.request,
+                    decode=lambda ids: tok.decode(ids, skip_special_tokens=False),
+                    request=request.request,
                 ),
             )
         verdict = Verdict(
-            request_id=rollout.request_id, rollout_digest=rollout.digest(), generator_id=rollout.node_id,
-            verifier_id=self.node_id, weights_hash=self.engine.weights_hash,
-            accepted=all(c.passed for c in checks), checks=checks,
+            request_id=rollout.request_id,
+            rollout_digest=rollout.digest(),
+            generator_id=rollout.node_id,
+            verifier_id=self.node_id,
+            weights_hash=self.engine.weights_hash,
+            accepted=all(c.passed for c in checks),
+            checks=checks,
         )
         self.stats["verified"] += 1
         self.stats["accepted" if verdict.accepted else "rejected"] += 1

@@ -7,6 +7,7 @@ error message; a response envelope is opened (signature checked) before it is re
 
 from __future__ import annotations
 
+import contextlib
 import json
 from typing import TypeVar
 
@@ -33,10 +34,8 @@ async def _raise_for(resp: aiohttp.ClientResponse) -> None:
     if resp.status < 300:
         return
     text = await resp.text()
-    try:
+    with contextlib.suppress(ValueError, KeyError, TypeError):
         text = json.loads(text)["error"]["message"]
-    except (ValueError, KeyError, TypeError):
-        pass
     raise RemoteError(resp.status, text)
 
 
@@ -47,7 +46,11 @@ async def post_raw(session: aiohttp.ClientSession, url: str, body: bytes) -> byt
 
 
 async def call(
-    session: aiohttp.ClientSession, url: str, identity: Identity, message: BaseModel, response: type[M],
+    session: aiohttp.ClientSession,
+    url: str,
+    identity: Identity,
+    message: BaseModel,
+    response: type[M],
     ttl_s: float = 60.0,
 ) -> tuple[Opened[M], bytes]:
     """POST `message` signed by `identity`; return the opened response and its raw envelope."""

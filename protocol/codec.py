@@ -42,7 +42,9 @@ def unpack(data: bytes, max_bytes: int = DEFAULT_MAX_BYTES) -> object:
 
 def encode(message: BaseModel) -> bytes:
     """Encode a message model into the versioned wire form."""
-    return pack({"v": PROTOCOL_VERSION, "t": type(message).__name__, "b": message.model_dump(mode="python")})
+    return pack(
+        {"v": PROTOCOL_VERSION, "t": type(message).__name__, "b": message.model_dump(mode="python")}
+    )
 
 
 def decode(data: bytes, model: type[M], max_bytes: int = DEFAULT_MAX_BYTES) -> M:
@@ -51,7 +53,9 @@ def decode(data: bytes, model: type[M], max_bytes: int = DEFAULT_MAX_BYTES) -> M
     if not isinstance(obj, dict) or not {"v", "t", "b"} <= obj.keys():
         raise CodecError("body must be a map with keys 'v', 't' and 'b'")
     if obj["v"] != PROTOCOL_VERSION:
-        raise CodecError(f"protocol version {obj['v']!r} is not supported (this is {PROTOCOL_VERSION})")
+        raise CodecError(
+            f"protocol version {obj['v']!r} is not supported (this is {PROTOCOL_VERSION})"
+        )
     if obj["t"] != model.__name__:
         raise CodecError(f"expected a {model.__name__} message, got {obj['t']!r}")
     try:

@@ -55,7 +55,9 @@ class ReplayCacheFullError(EnvelopeError):
     status = 503
 
 
-def _signed_part(v: int, sender: bytes, nonce: bytes, expires: float, kind: str, body: bytes) -> bytes:
+def _signed_part(
+    v: int, sender: bytes, nonce: bytes, expires: float, kind: str, body: bytes
+) -> bytes:
     return pack([v, sender, nonce, expires, kind, body])
 
 
@@ -65,10 +67,19 @@ def seal(identity: Identity, message: BaseModel, ttl_s: float = DEFAULT_TTL_S) -
     nonce = os.urandom(16)
     expires = time.time() + ttl_s
     kind = type(message).__name__
-    sig = identity.sign(_signed_part(PROTOCOL_VERSION, identity.public_key, nonce, expires, kind, body))
+    sig = identity.sign(
+        _signed_part(PROTOCOL_VERSION, identity.public_key, nonce, expires, kind, body)
+    )
     return pack(
-        {"v": PROTOCOL_VERSION, "sender": identity.public_key, "nonce": nonce, "expires": expires,
-         "kind": kind, "body": body, "sig": sig}
+        {
+            "v": PROTOCOL_VERSION,
+            "sender": identity.public_key,
+            "nonce": nonce,
+            "expires": expires,
+            "kind": kind,
+            "body": body,
+            "sig": sig,
+        }
     )
 
 
@@ -135,17 +146,28 @@ def open_envelope(
         raise CodecError(f"envelope lacks field {exc.args[0]!r}") from exc
     if v != PROTOCOL_VERSION:
         raise CodecError(f"protocol version {v!r} is not supported (this is {PROTOCOL_VERSION})")
-    if not (isinstance(sender, bytes) and len(sender) == 32 and isinstance(nonce, bytes)
-            and len(nonce) >= 8 and isinstance(expires, int | float) and math.isfinite(expires)
-            and isinstance(kind, str)
-            and isinstance(body, bytes) and isinstance(sig, bytes)):
+    if not (
+        isinstance(sender, bytes)
+        and len(sender) == 32
+        and isinstance(nonce, bytes)
+        and len(nonce) >= 8
+        and isinstance(expires, int | float)
+        and math.isfinite(expires)
+        and isinstance(kind, str)
+        and isinstance(body, bytes)
+        and isinstance(sig, bytes)
+    ):
         raise CodecError("envelope fields have wrong types")
     if kind != model.__name__:
         raise CodecError(f"expected a signed {model.__name__}, got {kind!r}")
-    if not verify_signature(sender, sig, _signed_part(v, sender, nonce, float(expires), kind, body)):
+    if not verify_signature(
+        sender, sig, _signed_part(v, sender, nonce, float(expires), kind, body)
+    ):
         raise EnvelopeError("bad signature")
     if trusted_senders is not None and sender not in trusted_senders:
-        raise UntrustedSenderError(f"sender {node_id_from_public_key(sender)} is not trusted for {kind}")
+        raise UntrustedSenderError(
+            f"sender {node_id_from_public_key(sender)} is not trusted for {kind}"
+        )
     now = clock()
     if check_expiry:
         if expires < now:

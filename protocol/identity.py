@@ -18,7 +18,12 @@ from pathlib import Path
 import base58
 from cryptography.exceptions import InvalidSignature
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
-from cryptography.hazmat.primitives.serialization import Encoding, NoEncryption, PrivateFormat, PublicFormat
+from cryptography.hazmat.primitives.serialization import (
+    Encoding,
+    NoEncryption,
+    PrivateFormat,
+    PublicFormat,
+)
 
 # protobuf PublicKey{Type: Ed25519 (1), Data: <32 bytes>} then multihash "identity" (0x00, len).
 _PROTO_ED25519_PREFIX = b"\x08\x01\x12\x20"
@@ -33,7 +38,9 @@ def node_id_from_public_key(public_key: bytes) -> str:
     """The node id (libp2p peer id) of a raw 32-byte Ed25519 public key."""
     if len(public_key) != 32:
         raise IdentityError(f"an Ed25519 public key is 32 bytes, got {len(public_key)}")
-    return base58.b58encode(_MULTIHASH_IDENTITY_PREFIX + _PROTO_ED25519_PREFIX + public_key).decode()
+    return base58.b58encode(
+        _MULTIHASH_IDENTITY_PREFIX + _PROTO_ED25519_PREFIX + public_key
+    ).decode()
 
 
 def public_key_from_node_id(node_id: str) -> bytes:

@@ -46,13 +46,28 @@ class ManagedProcess:
     health_url: str
 
     @classmethod
-    def start(cls, name: str, cmd: list[str], health_url: str, log_path: Path, *, cwd: Path | None = None,
-              env: dict[str, str] | None = None, timeout_s: float = 180) -> ManagedProcess:
+    def start(
+        cls,
+        name: str,
+        cmd: list[str],
+        health_url: str,
+        log_path: Path,
+        *,
+        cwd: Path | None = None,
+        env: dict[str, str] | None = None,
+        timeout_s: float = 180,
+    ) -> ManagedProcess:
         log_path.parent.mkdir(parents=True, exist_ok=True)
         full_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
         with log_path.open("w") as log:
-            proc = subprocess.Popen(cmd, cwd=cwd, stdout=log, stderr=subprocess.STDOUT, env=full_env,
-                                    preexec_fn=_die_with_parent)
+            proc = subprocess.Popen(
+                cmd,
+                cwd=cwd,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                env=full_env,
+                preexec_fn=_die_with_parent,
+            )
         child = cls(name, proc, log_path, health_url)
         child.wait_healthy(timeout_s)
         return child
@@ -64,7 +79,9 @@ class ManagedProcess:
         deadline = time.time() + timeout_s
         while time.time() < deadline:
             if self.proc.poll() is not None:
-                raise RuntimeError(f"{self.name} exited with {self.proc.returncode}:\n{self.log_tail()}")
+                raise RuntimeError(
+                    f"{self.name} exited with {self.proc.returncode}:\n{self.log_tail()}"
+                )
             try:
                 with urllib.request.urlopen(self.health_url, timeout=2) as resp:
                     if resp.status == 200:
@@ -73,7 +90,9 @@ class ManagedProcess:
                 pass
             time.sleep(0.3)
         self.stop()
-        raise TimeoutError(f"{self.name} did not answer {self.health_url} within {timeout_s} s:\n{self.log_tail()}")
+        raise TimeoutError(
+            f"{self.name} did not answer {self.health_url} within {timeout_s} s:\n{self.log_tail()}"
+        )
 
     def alive(self) -> bool:
         return self.proc.poll() is None

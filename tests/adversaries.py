@@ -29,7 +29,12 @@ class Generator:
 
     name = "honest"
 
-    def __init__(self, engine: InferenceEngine, identity: Identity | None = None, claim_hash: str | None = None):
+    def __init__(
+        self,
+        engine: InferenceEngine,
+        identity: Identity | None = None,
+        claim_hash: str | None = None,
+    ):
         self.engine = engine
         self.identity = identity or Identity.generate()
         self.claim_hash = claim_hash or engine.weights_hash
@@ -43,22 +48,35 @@ class Generator:
     def _tamper(self, rollouts: list[Rollout], rng: random.Random) -> list[Rollout]:
         return rollouts
 
-    def rollouts(self, requests: list[RolloutRequest], rng: random.Random | None = None) -> list[Rollout]:
+    def rollouts(
+        self, requests: list[RolloutRequest], rng: random.Random | None = None
+    ) -> list[Rollout]:
         gens = self.engine.generate(
             [GenerationRequest(self._prompt(r), self._sampling(r), r.seed) for r in requests]
         )
         out = [
             Rollout(
-                request_id=r.request_id, pool_id=r.pool_id, node_id=self.identity.node_id, prompt_ids=r.prompt_ids,
-                completion_ids=g.completion_ids, logprobs=g.logprobs, finish_reason=g.finish_reason,
-                sampling=r.sampling, seed=r.seed, weights_version=0, weights_hash=self.claim_hash,
-                proof_params=r.proof, proof=build_proof(g.hidden_states, r.proof),
+                request_id=r.request_id,
+                pool_id=r.pool_id,
+                node_id=self.identity.node_id,
+                prompt_ids=r.prompt_ids,
+                completion_ids=g.completion_ids,
+                logprobs=g.logprobs,
+                finish_reason=g.finish_reason,
+                sampling=r.sampling,
+                seed=r.seed,
+                weights_version=0,
+                weights_hash=self.claim_hash,
+                proof_params=r.proof,
+                proof=build_proof(g.hidden_states, r.proof),
             )
             for r, g in zip(requests, gens, strict=True)
         ]
         return self._tamper(out, rng or random.Random(0))
 
-    def signed(self, requests: list[RolloutRequest], rng: random.Random | None = None) -> list[bytes]:
+    def signed(
+        self, requests: list[RolloutRequest], rng: random.Random | None = None
+    ) -> list[bytes]:
         return [seal(self.identity, r, ttl_s=3600) for r in self.rollouts(requests, rng)]
 
 
@@ -162,4 +180,7 @@ class MadeUpLogprobs(Generator):
         self.fake = fake or (lambda lp, rng: min(0.0, lp + rng.uniform(-1.0, 1.0)))
 
     def _tamper(self, rollouts, rng):
-        return [r.model_copy(update={"logprobs": [self.fake(x, rng) for x in r.logprobs]}) for r in rollouts]
+        return [
+            r.model_copy(update={"logprobs": [self.fake(x, rng) for x in r.logprobs]})
+            for r in rollouts
+        ]

@@ -50,14 +50,17 @@ def tiny_engine(tiny_path):
     return TorchEngine(EngineConfig(model="tiny"))
 
 
-def random_chat_prompts(tokenizer, n: int, seed: int = 0, min_len: int = 4, max_len: int = 40) -> list[list[int]]:
+def random_chat_prompts(
+    tokenizer, n: int, seed: int = 0, min_len: int = 4, max_len: int = 40
+) -> list[list[int]]:
     rng = random.Random(seed)
     alphabet = "abcdefghijklmnopqrstuvwxyz     .,!?0123456789"
     prompts = []
     for _ in range(n):
         text = "".join(rng.choice(alphabet) for _ in range(rng.randint(min_len, max_len)))
-        ids = tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
-                                            tokenize=True)
+        ids = tokenizer.apply_chat_template(
+            [{"role": "user", "content": text}], add_generation_prompt=True, tokenize=True
+        )
         prompts.append(list(ids["input_ids"] if hasattr(ids, "keys") else ids))
     return prompts
 
@@ -70,9 +73,19 @@ def tiny_pair(tmp_path_factory):
     from protocol.identity import Identity
 
     trainer_id = Identity.load_or_create(trainer)
-    a = start_node(work, "a", "--engine.model", "tiny", "--trusted-keys", f'["{trainer_id.node_id}"]')
-    b = start_node(work, "b", "--engine.model", "tiny", "--trusted-keys", f'["{trainer_id.node_id}"]',
-                   "@", str(REPO / "configs" / "verification" / "tiny-torch-cpu-fp32.toml"))
+    a = start_node(
+        work, "a", "--engine.model", "tiny", "--trusted-keys", f'["{trainer_id.node_id}"]'
+    )
+    b = start_node(
+        work,
+        "b",
+        "--engine.model",
+        "tiny",
+        "--trusted-keys",
+        f'["{trainer_id.node_id}"]',
+        "@",
+        str(REPO / "configs" / "verification" / "tiny-torch-cpu-fp32.toml"),
+    )
     yield a, b, trainer_id
     for n in (a, b):
         n.stop()

@@ -41,8 +41,19 @@ class NodeProcess:
 
 
 def node_command(port: int, key: Path, log_dir: Path, *args: str) -> list[str]:
-    return [sys.executable, "-m", "node.cli", "serve", "--server.port", str(port), "--key-file", str(key),
-            "--log-dir", str(log_dir), *args]
+    return [
+        sys.executable,
+        "-m",
+        "node.cli",
+        "serve",
+        "--server.port",
+        str(port),
+        "--key-file",
+        str(key),
+        "--log-dir",
+        str(log_dir),
+        *args,
+    ]
 
 
 def start_node(workdir: Path, name: str, *args: str, timeout_s: float = 180) -> NodeProcess:
@@ -54,6 +65,13 @@ def start_node(workdir: Path, name: str, *args: str, timeout_s: float = 180) -> 
     url = f"http://127.0.0.1:{port}"
     # One thread per node: several nodes share this machine's two cores.
     env = {"OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
-    child = ManagedProcess.start(name, node_command(port, key, workdir / name, *args), f"{url}/health",
-                                 workdir / f"{name}.log", cwd=REPO, env=env, timeout_s=timeout_s)
+    child = ManagedProcess.start(
+        name,
+        node_command(port, key, workdir / name, *args),
+        f"{url}/health",
+        workdir / f"{name}.log",
+        cwd=REPO,
+        env=env,
+        timeout_s=timeout_s,
+    )
     return NodeProcess(name, url, identity, child)

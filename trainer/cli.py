@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import typer
 
-app = typer.Typer(help="prime-swarm trainer and orchestrator.", no_args_is_help=True, add_completion=False)
+app = typer.Typer(
+    help="prime-swarm trainer and orchestrator.", no_args_is_help=True, add_completion=False
+)
 
 
 @app.command()

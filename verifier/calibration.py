@@ -27,17 +27,28 @@ _FIELDS = {
 }
 
 # Upper bounds: a threshold above these would let tampering through (see tests/bench).
-_CAPS = {"max_exp_mismatches": 64, "max_mant_err_mean": 16.0, "max_mant_err_median": 16.0,
-         "max_logprob_abs_diff": 1.0, "max_logprob_mean_abs_diff": 0.1, "sampling_tolerance": 0.5,
-         "max_sampling_mismatch_fraction": 0.05}
+_CAPS = {
+    "max_exp_mismatches": 64,
+    "max_mant_err_mean": 16.0,
+    "max_mant_err_median": 16.0,
+    "max_logprob_abs_diff": 1.0,
+    "max_logprob_mean_abs_diff": 0.1,
+    "sampling_tolerance": 0.5,
+    "max_sampling_mismatch_fraction": 0.05,
+}
 
 
 def permissive_policy() -> VerificationPolicy:
     """A policy that rejects nothing numeric: for measuring, never for deciding."""
     inf = 1e30
     return VerificationPolicy(
-        max_exp_mismatches=10**9, max_mant_err_mean=inf, max_mant_err_median=inf, max_logprob_abs_diff=inf,
-        max_logprob_mean_abs_diff=inf, sampling_tolerance=inf, max_sampling_mismatch_fraction=1.0,
+        max_exp_mismatches=10**9,
+        max_mant_err_mean=inf,
+        max_mant_err_median=inf,
+        max_logprob_abs_diff=inf,
+        max_logprob_mean_abs_diff=inf,
+        sampling_tolerance=inf,
+        max_sampling_mismatch_fraction=1.0,
         support_tolerance=1.0,
     )
 
@@ -67,7 +78,11 @@ def collect(verdict_checks: list[list[CheckResult]]) -> dict[str, list[float]]:
 
 
 def summarize(values: dict[str, list[float]]) -> list[MetricStats]:
-    return [MetricStats(k, _quantile(v, 0.5), _quantile(v, 0.99), max(v)) for k, v in values.items() if v]
+    return [
+        MetricStats(k, _quantile(v, 0.5), _quantile(v, 0.99), max(v))
+        for k, v in values.items()
+        if v
+    ]
 
 
 def propose(stats: list[MetricStats], base: VerificationPolicy | None = None) -> VerificationPolicy:

@@ -19,6 +19,8 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+import torch
+
 from protocol.messages import CheckResult, Rollout, RolloutRequest, VerificationPolicy
 from verifier.proofs import check_proof
 from verifier.sampling import RowParams, replay
@@ -40,14 +42,21 @@ def check_request(rollout: Rollout, request: RolloutRequest | None) -> CheckResu
         )
         if not ok
     ]
-    return CheckResult(name="request", passed=not wrong, detail=f"differs from the request in {', '.join(wrong)}" if wrong else "")
+    return CheckResult(
+        name="request",
+        passed=not wrong,
+        detail=f"differs from the request in {', '.join(wrong)}" if wrong else "",
+    )
 
 
 def check_weights(rollout: Rollout, weights_hash: str) -> CheckResult:
     ok = rollout.weights_hash == weights_hash
     return CheckResult(
-        name="weights", passed=ok,
-        detail="" if ok else f"generated with weights {rollout.weights_hash[:12]}, verifier holds {weights_hash[:12]}",
+        name="weights",
+        passed=ok,
+        detail=""
+        if ok
+        else f"generated with weights {rollout.weights_hash[:12]}, verifier holds {weights_hash[:12]}",
     )
 
 
@@ -98,40 +107,63 @@ def verify_rollout(
     if max(rollout.completion_ids) >= logits.shape[-1]:
         bad = CheckResult(name="support", passed=False, detail="token id outside the vocabulary")
         return results + [bad]
-    rep = replay(logits, rollout.completion_ids, RowParams(s.temperature, s.top_k, s.top_p), rollout.seed,
-                 policy.support_tolerance)
+    rep = replay(
+        logits,
+        rollout.completion_ids,
+        RowParams(s.temperature, s.top_k, s.top_p),
+        rollout.seed,
+        policy.support_tolerance,
+    )
     n = len(rollout.completion_ids)
 
     outside = int((~rep.in_support).sum())
-    results.append(CheckResult(
-        name="support", passed=outside == 0,
-        detail=f"{outside}/{n} tokens outside top-k/top-p" if outside else "",
-        metrics={"tokens_outside": float(outside)},
-    ))
+    results.append(
+        CheckResult(
+            name="support",
+            passed=outside == 0,
+            detail=f"{outside}/{n} tokens outside top-k/top-p" if outside else "",
+            metrics={"tokens_outside": float(outside)},
+        )
+    )
 
     mism = int((rep.score_gap > policy.sampling_tolerance).sum())
     frac = mism / n
-    results.append(CheckResult(
-        name="sampling", passed=frac <= policy.max_sampling_mismatch_fraction,
-        detail=f"{mism}/{n} tokens are not the seeded sampler's choice" if frac > policy.max_sampling_mismatch_fraction else "",
-        metrics={"mismatch_fraction": frac, "max_score_gap": float(rep.score_gap.max())},
-    ))
-
-    import torch
+    results.append(
+        CheckResult(
+            name="sampling",
+            passed=frac <= policy.max_sampling_mismatch_fraction,
+            detail=f"{mism}/{n} tokens are not the seeded sampler's choice"
+            if frac > policy.max_sampling_mismatch_fraction
+            else "",
+            metrics={"mismatch_fraction": frac, "max_score_gap": float(rep.score_gap.max())},
+        )
+    )
 
     diff = (torch.tensor(rollout.logprobs, dtype=torch.float32) - rep.logprobs).abs()
     max_diff, mean_diff = float(diff.max()), float(diff.mean())
     ok = max_diff <= policy.max_logprob_abs_diff and mean_diff <= policy.max_logprob_mean_abs_diff
-    results.append(CheckResult(
-        name="logprobs", passed=ok,
-        detail="" if ok else f"claimed logprobs differ by up to {max_diff:.3f} (mean {mean_diff:.4f})",
-        metrics={"max_abs_diff": max_diff, "mean_abs_diff": mean_diff},
-    ))
+    results.append(
+        CheckResult(
+            name="logprobs",
+            passed=ok,
+            detail=""
+            if ok
+            else f"claimed logprobs differ by up to {max_diff:.3f} (mean {mean_diff:.4f})",
+            metrics={"max_abs_diff": max_diff, "mean_abs_diff": mean_diff},
+        )
+    )
 
     pc = check_proof(hidden_states, rollout.proof, rollout.proof_params, policy)
-    results.append(CheckResult(
-        name="proof", passed=pc.passed, detail=pc.detail,
-        metrics={"exp_mismatches": float(pc.worst_exp_mismatches), "mant_err_mean": float(pc.worst_mant_err_mean),
-                 "mant_err_median": float(pc.worst_mant_err_median)},
-    ))
+    results.append(
+        CheckResult(
+            name="proof",
+            passed=pc.passed,
+            detail=pc.detail,
+            metrics={
+                "exp_mismatches": float(pc.worst_exp_mismatches),
+                "mant_err_mean": float(pc.worst_mant_err_mean),
+                "mant_err_median": float(pc.worst_mant_err_median),
+            },
+        )
+    )
     return results

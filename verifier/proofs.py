@@ -50,29 +50,41 @@ def check_proof(
     n = hidden_states.shape[0]
     expected = math.ceil(n / params.chunk_tokens)
     if len(proof) != expected:
-        return ProofCheck(False, f"{len(proof)} proof chunks, expected {expected}", math.inf, math.inf, math.inf)
+        return ProofCheck(
+            False, f"{len(proof)} proof chunks, expected {expected}", math.inf, math.inf, math.inf
+        )
     for i, chunk in enumerate(proof):
         if len(chunk) != _chunk_bytes(params):
-            return ProofCheck(False, f"chunk {i} has {len(chunk)} bytes, expected {_chunk_bytes(params)}",
-                              math.inf, math.inf, math.inf)
+            return ProofCheck(
+                False,
+                f"chunk {i} has {len(chunk)} bytes, expected {_chunk_bytes(params)}",
+                math.inf,
+                math.inf,
+                math.inf,
+            )
         if chunk[:2] == b"\x00\x00":
             return ProofCheck(False, f"chunk {i} is a null proof", math.inf, math.inf, math.inf)
     rows = hidden_states.to(torch.bfloat16).cpu().contiguous()
     try:
-        results = verify_proofs_bytes(rows, proof, params.chunk_tokens, params.topk, skip_prefill=True)
+        results = verify_proofs_bytes(
+            rows, proof, params.chunk_tokens, params.topk, skip_prefill=True
+        )
     except Exception as exc:  # toploc raises on malformed coefficients
         return ProofCheck(False, f"proof does not decode: {exc}", math.inf, math.inf, math.inf)
     exp = max(r.exp_mismatches for r in results)
     mean = max(r.mant_err_mean for r in results)
     median = max(r.mant_err_median for r in results)
     failures = [
-        i for i, r in enumerate(results)
+        i
+        for i, r in enumerate(results)
         if r.exp_mismatches > policy.max_exp_mismatches
         or r.mant_err_mean > policy.max_mant_err_mean
         or r.mant_err_median > policy.max_mant_err_median
     ]
     if failures:
-        detail = (f"{len(failures)}/{len(results)} chunks outside thresholds "
-                  f"(worst: {exp} exponent mismatches, mantissa error mean {mean:.1f} median {median:.1f})")
+        detail = (
+            f"{len(failures)}/{len(results)} chunks outside thresholds "
+            f"(worst: {exp} exponent mismatches, mantissa error mean {mean:.1f} median {median:.1f})"
+        )
         return ProofCheck(False, detail, exp, mean, median)
     return ProofCheck(True, "", exp, mean, median)

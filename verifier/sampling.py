@@ -54,9 +54,15 @@ def row_key(seed: int, position: int) -> int:
     return _signed(_splitmix_int(_splitmix_int(seed) ^ (position & _MASK64)))
 
 
-def gumbel_noise(seeds: list[int], positions: list[int], vocab: int, device: torch.device | str = "cpu") -> torch.Tensor:
+def gumbel_noise(
+    seeds: list[int], positions: list[int], vocab: int, device: torch.device | str = "cpu"
+) -> torch.Tensor:
     """Gumbel(0, 1) noise of shape [len(seeds), vocab], float32, identical on every device."""
-    keys = torch.tensor([row_key(s, p) for s, p in zip(seeds, positions, strict=True)], dtype=torch.int64, device=device)
+    keys = torch.tensor(
+        [row_key(s, p) for s, p in zip(seeds, positions, strict=True)],
+        dtype=torch.int64,
+        device=device,
+    )
     idx = torch.arange(vocab, dtype=torch.int64, device=device) * _signed(_GOLDEN)
     z = _splitmix_tensor(keys[:, None] + idx[None, :])
     u = (_lshr(z, 11).to(torch.float64) + 0.5) * (2.0**-53)
@@ -76,14 +82,18 @@ class RowParams:
         return self.temperature if self.temperature > 0 else 1.0
 
 
-def _param_tensors(params: list[RowParams], vocab: int, device: torch.device) -> tuple[torch.Tensor, ...]:
+def _param_tensors(
+    params: list[RowParams], vocab: int, device: torch.device
+) -> tuple[torch.Tensor, ...]:
     t = torch.tensor([p.scale for p in params], dtype=torch.float32, device=device)
     k = torch.tensor([p.top_k if 0 < p.top_k < vocab else vocab for p in params], device=device)
     top_p = torch.tensor([p.top_p for p in params], dtype=torch.float32, device=device)
     return t, k, top_p
 
 
-def support_mask(scaled: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, p_slack: float = 0.0) -> torch.Tensor:
+def support_mask(
+    scaled: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, p_slack: float = 0.0
+) -> torch.Tensor:
     """Boolean [B, V]: tokens kept by top-k then top-p (with `p_slack` added to p)."""
     vocab = scaled.shape[-1]
     if bool((top_k >= vocab).all()) and bool((top_p >= 1.0).all()):
@@ -103,7 +113,9 @@ class SampleOutput:
     logprobs: torch.Tensor  # [B] float32 under log_softmax(logits / T)
 
 
-def sample(logits: torch.Tensor, params: list[RowParams], seeds: list[int], positions: list[int]) -> SampleOutput:
+def sample(
+    logits: torch.Tensor, params: list[RowParams], seeds: list[int], positions: list[int]
+) -> SampleOutput:
     """Choose one token per row of `logits` [B, V] (any dtype; computed in float32)."""
     logits = logits.float()
     vocab = logits.shape[-1]
@@ -128,7 +140,9 @@ class ReplayResult:
     in_support: torch.Tensor  # [N] bool: claimed token inside top-k/top-p (with slack)
 
 
-def replay(logits: torch.Tensor, tokens: list[int], param: RowParams, seed: int, p_slack: float) -> ReplayResult:
+def replay(
+    logits: torch.Tensor, tokens: list[int], param: RowParams, seed: int, p_slack: float
+) -> ReplayResult:
     """Replay the choice of `tokens` (one per row of `logits` [N, V]) under one request's params."""
     logits = logits.float()
     n, vocab = logits.shape

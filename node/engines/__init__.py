@@ -4,7 +4,13 @@ from __future__ import annotations
 
 from node.engines.base import GenerationRequest, GenerationResult, InferenceEngine, PrefillResult
 
-__all__ = ["GenerationRequest", "GenerationResult", "InferenceEngine", "PrefillResult", "create_engine"]
+__all__ = [
+    "GenerationRequest",
+    "GenerationResult",
+    "InferenceEngine",
+    "PrefillResult",
+    "create_engine",
+]
 
 
 def create_engine(config) -> InferenceEngine:  # config: node.config.EngineConfig

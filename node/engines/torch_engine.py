@@ -106,7 +106,9 @@ class TorchEngine(InferenceEngine):
         expected = set(self.model.state_dict().keys())
         missing = {k for k in expected - state.keys() if not k.endswith("lm_head.weight")}
         if missing:
-            raise ValueError(f"weights in {path} lack {len(missing)} tensors, e.g. {sorted(missing)[:3]}")
+            raise ValueError(
+                f"weights in {path} lack {len(missing)} tensors, e.g. {sorted(missing)[:3]}"
+            )
         new_hash = weights_hash or hash_weights_dir(path)
         with self.lock:
             self.model.load_state_dict(state, strict=False)
@@ -145,7 +147,9 @@ class TorchEngine(InferenceEngine):
         cache = DynamicCache()
         hidden = self._forward(ids, mask, positions, cache)
 
-        params = [RowParams(r.sampling.temperature, r.sampling.top_k, r.sampling.top_p) for r in requests]
+        params = [
+            RowParams(r.sampling.temperature, r.sampling.top_k, r.sampling.top_p) for r in requests
+        ]
         seeds = [r.seed for r in requests]
         watchers = [_StopWatcher(self.tokenizer, r.sampling.stop) for r in requests]
         tokens_out: list[list[int]] = [[] for _ in requests]
@@ -173,8 +177,12 @@ class TorchEngine(InferenceEngine):
                 logprobs_out[i].append(lps[i])
                 rows[i].append(hidden_cpu[i])
                 if r.top_logprobs:
-                    tops[i].append(list(zip(top_ids[i], top_vals[i], strict=True))[: r.top_logprobs])
-                if (toks[i] in self.eos_token_ids and not r.sampling.ignore_eos) or watchers[i].hit(tokens_out[i]):
+                    tops[i].append(
+                        list(zip(top_ids[i], top_vals[i], strict=True))[: r.top_logprobs]
+                    )
+                if (toks[i] in self.eos_token_ids and not r.sampling.ignore_eos) or watchers[i].hit(
+                    tokens_out[i]
+                ):
                     finish[i] = "stop"
                 elif len(tokens_out[i]) >= r.sampling.max_tokens:
                     finish[i] = "length"
@@ -186,8 +194,13 @@ class TorchEngine(InferenceEngine):
             last_pos = last_pos + 1
             hidden = self._forward(nxt, mask, last_pos[:, None], cache)
         return [
-            GenerationResult(tokens_out[i], logprobs_out[i], finish[i], torch.stack(rows[i]),  # type: ignore[arg-type]
-                             tops[i] if requests[i].top_logprobs else None)
+            GenerationResult(
+                tokens_out[i],
+                logprobs_out[i],
+                finish[i],
+                torch.stack(rows[i]),  # type: ignore[arg-type]
+                tops[i] if requests[i].top_logprobs else None,
+            )
             for i in range(b)
         ]
 
@@ -202,7 +215,9 @@ class TorchEngine(InferenceEngine):
             for i, s in enumerate(seqs):
                 ids[i, : len(s)] = torch.tensor(s)
                 mask[i, : len(s)] = 1
-            out = self.base(input_ids=ids.to(self.device), attention_mask=mask.to(self.device), use_cache=False)
+            out = self.base(
+                input_ids=ids.to(self.device), attention_mask=mask.to(self.device), use_cache=False
+            )
             results = []
             for i, (p, c) in enumerate(items):
                 h = out.last_hidden_state[i, len(p) - 1 : len(p) - 1 + len(c)]

@@ -32,8 +32,18 @@ MSGPACK = {"Content-Type": "application/msgpack"}
 def node(tmp_path_factory):
     work = tmp_path_factory.mktemp("server")
     trainer = Identity.load_or_create(work / "trainer.key")
-    n = start_node(work, "n", "--engine.model", "tiny", "--trusted-keys", f'["{trainer.node_id}"]',
-                   "--server.max-body-bytes", "65536", "--engine.max-model-len", "512")
+    n = start_node(
+        work,
+        "n",
+        "--engine.model",
+        "tiny",
+        "--trusted-keys",
+        f'["{trainer.node_id}"]',
+        "--server.max-body-bytes",
+        "65536",
+        "--engine.max-model-len",
+        "512",
+    )
     yield n, trainer, work
     n.stop()
 
@@ -46,8 +56,13 @@ def client(node):
 def test_openai_chat_completion_with_logprobs_and_token_ids(node, client):
     n, _, _ = node
     resp = client.chat.completions.create(
-        model="tiny", messages=[{"role": "user", "content": "reverse: abc"}], max_tokens=24, temperature=1.0,
-        logprobs=True, top_logprobs=3, seed=7,
+        model="tiny",
+        messages=[{"role": "user", "content": "reverse: abc"}],
+        max_tokens=24,
+        temperature=1.0,
+        logprobs=True,
+        top_logprobs=3,
+        seed=7,
         extra_body={"return_token_ids": True},
     )
     choice = resp.choices[0]
@@ -60,26 +75,37 @@ def test_openai_chat_completion_with_logprobs_and_token_ids(node, client):
     assert extra["prompt_token_ids"] and extra["rollout_id"]
     # Same seed, same answer; the signed rollout with its proof is on the proof route.
     again = client.chat.completions.create(
-        model="tiny", messages=[{"role": "user", "content": "reverse: abc"}], max_tokens=24, seed=7)
+        model="tiny", messages=[{"role": "user", "content": "reverse: abc"}], max_tokens=24, seed=7
+    )
     assert again.choices[0].message.content == choice.message.content
     raw = httpx.get(f"{n.url}/v1/rollouts/{extra['rollout_id']}").content
     opened = open_envelope(raw, Rollout, check_expiry=False)
     assert opened.sender_id == n.identity.node_id
     assert opened.message.completion_ids == choice.model_extra["token_ids"]
-    assert [round(x, 5) for x in opened.message.logprobs] == [round(c.logprob, 5) for c in choice.logprobs.content]
+    assert [round(x, 5) for x in opened.message.logprobs] == [
+        round(c.logprob, 5) for c in choice.logprobs.content
+    ]
     assert len(opened.message.proof) == -(-len(opened.message.completion_ids) // 32)
 
 
 def test_openai_completions_models_and_stop_strings(client):
     assert [m.id for m in client.models.list().data] == ["tiny"]
-    resp = client.completions.create(model="tiny", prompt="hello", max_tokens=16, logprobs=1, seed=1)
-    assert len(resp.choices[0].logprobs.token_logprobs) == len(resp.choices[0].model_extra["token_ids"])
+    resp = client.completions.create(
+        model="tiny", prompt="hello", max_tokens=16, logprobs=1, seed=1
+    )
+    assert len(resp.choices[0].logprobs.token_logprobs) == len(
+        resp.choices[0].model_extra["token_ids"]
+    )
     # A stop string ends the completion and is cut from the text, as OpenAI does.
-    full = client.completions.create(model="tiny", prompt="hello", max_tokens=32, seed=3, temperature=1.0)
+    full = client.completions.create(
+        model="tiny", prompt="hello", max_tokens=32, seed=3, temperature=1.0
+    )
     text = full.choices[0].text
     if len(text) > 4:
         stop = text[3]
-        cut = client.completions.create(model="tiny", prompt="hello", max_tokens=32, seed=3, stop=[stop])
+        cut = client.completions.create(
+            model="tiny", prompt="hello", max_tokens=32, seed=3, stop=[stop]
+        )
         assert cut.choices[0].finish_reason == "stop"
         assert cut.choices[0].text == text[: text.index(stop)]
 
@@ -95,20 +121,28 @@ def test_tokenize_route_matches_chat_prompt(node, client):
 def test_signed_rollout_and_verify_routes(node):
     n, _, _ = node
     scheduler = Identity.generate()
-    req = RolloutRequest(request_id="r1", prompt_ids=[1, 70, 71, 72], seed=5,
-                         sampling=SamplingParams(max_tokens=40))
+    req = RolloutRequest(
+        request_id="r1", prompt_ids=[1, 70, 71, 72], seed=5, sampling=SamplingParams(max_tokens=40)
+    )
     raw = httpx.post(f"{n.url}/v1/rollouts", content=seal(scheduler, req), headers=MSGPACK).content
     rollout = open_envelope(raw, Rollout, check_expiry=False).message
     verify = VerifyRequest(rollout_envelope=raw, request=req)
-    vraw = httpx.post(f"{n.url}/v1/verify", content=seal(scheduler, verify), headers=MSGPACK).content
+    vraw = httpx.post(
+        f"{n.url}/v1/verify", content=seal(scheduler, verify), headers=MSGPACK
+    ).content
     verdict = open_envelope(vraw, Verdict).message
     assert verdict.accepted and verdict.rollout_digest == rollout.digest()
     # A rollout that does not answer the request it is checked against is rejected.
     other = req.model_copy(update={"seed": 6})
-    vraw = httpx.post(f"{n.url}/v1/verify", content=seal(scheduler, VerifyRequest(rollout_envelope=raw, request=other)),
-                      headers=MSGPACK).content
+    vraw = httpx.post(
+        f"{n.url}/v1/verify",
+        content=seal(scheduler, VerifyRequest(rollout_envelope=raw, request=other)),
+        headers=MSGPACK,
+    ).content
     verdict = open_envelope(vraw, Verdict).message
-    assert not verdict.accepted and any(c.name == "request" and not c.passed for c in verdict.checks)
+    assert not verdict.accepted and any(
+        c.name == "request" and not c.passed for c in verdict.checks
+    )
 
 
 def _save_perturbed_weights(model_dir, out_dir):
@@ -128,11 +162,16 @@ def test_weight_update_only_under_trusted_signature(node, tiny_path, client):
     before = n.health()
     new = _save_perturbed_weights(tiny_path, work / "weights-1")
     update = WeightUpdate(version=1, path=str(new))
-    r = httpx.post(f"{n.url}/v1/weights/update", content=seal(Identity.generate(), update), headers=MSGPACK)
+    r = httpx.post(
+        f"{n.url}/v1/weights/update", content=seal(Identity.generate(), update), headers=MSGPACK
+    )
     assert r.status_code == 403 and "not trusted" in r.json()["error"]["message"]
     assert n.health()["weights_hash"] == before["weights_hash"]
-    r = httpx.post(f"{n.url}/v1/weights/update", content=seal(trainer, update.model_copy(update={"path": "/nope"})),
-                   headers=MSGPACK)
+    r = httpx.post(
+        f"{n.url}/v1/weights/update",
+        content=seal(trainer, update.model_copy(update={"path": "/nope"})),
+        headers=MSGPACK,
+    )
     assert r.status_code == 400 and "/nope" in r.json()["error"]["message"]
     envelope = seal(trainer, update)
     r = httpx.post(f"{n.url}/v1/weights/update", content=envelope, headers=MSGPACK)
@@ -141,11 +180,21 @@ def test_weight_update_only_under_trusted_signature(node, tiny_path, client):
     assert after["weights_version"] == 1 and after["weights_hash"] != before["weights_hash"]
     r = httpx.post(f"{n.url}/v1/weights/update", content=envelope, headers=MSGPACK)
     assert r.status_code == 409
-    r = httpx.post(f"{n.url}/v1/weights/reload", content=seal(trainer, WeightReload(version=3)), headers=MSGPACK)
+    r = httpx.post(
+        f"{n.url}/v1/weights/reload",
+        content=seal(trainer, WeightReload(version=3)),
+        headers=MSGPACK,
+    )
     assert r.status_code == 400
-    r = httpx.post(f"{n.url}/v1/weights/reload", content=seal(trainer, WeightReload(version=1)), headers=MSGPACK)
+    r = httpx.post(
+        f"{n.url}/v1/weights/reload",
+        content=seal(trainer, WeightReload(version=1)),
+        headers=MSGPACK,
+    )
     assert r.status_code == 200 and r.json()["weights_hash"] == after["weights_hash"]
-    resp = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "x"}], max_tokens=4)
+    resp = client.chat.completions.create(
+        model="tiny", messages=[{"role": "user", "content": "x"}], max_tokens=4
+    )
     assert resp.choices[0].finish_reason in ("stop", "length")
 
 
@@ -164,9 +213,23 @@ def _json_cases():
         ("malformed json", b"{not json", 400),
         ("json array", b"[1, 2]", 400),
         ("wrong types", json.dumps({"messages": "hi", "temperature": "hot"}).encode(), 400),
-        ("n > 1", json.dumps({"messages": [{"role": "user", "content": "a"}], "n": 2}).encode(), 400),
-        ("streaming", json.dumps({"messages": [{"role": "user", "content": "a"}], "stream": True}).encode(), 400),
-        ("too long", json.dumps({"messages": [{"role": "user", "content": "a"}], "max_tokens": 100000}).encode(), 400),
+        (
+            "n > 1",
+            json.dumps({"messages": [{"role": "user", "content": "a"}], "n": 2}).encode(),
+            400,
+        ),
+        (
+            "streaming",
+            json.dumps({"messages": [{"role": "user", "content": "a"}], "stream": True}).encode(),
+            400,
+        ),
+        (
+            "too long",
+            json.dumps(
+                {"messages": [{"role": "user", "content": "a"}], "max_tokens": 100000}
+            ).encode(),
+            400,
+        ),
         ("oversized", b'{"messages": "' + b"a" * 70000 + b'"}', 413),
     ]
 
@@ -174,7 +237,9 @@ def _json_cases():
 def test_bad_input_on_every_route_gets_clear_4xx_and_node_keeps_serving(node, client):
     n, trainer, _ = node
     sender = Identity.generate()
-    req = RolloutRequest(request_id="bad", prompt_ids=[1, 2, 3], seed=1, sampling=SamplingParams(max_tokens=4))
+    req = RolloutRequest(
+        request_id="bad", prompt_ids=[1, 2, 3], seed=1, sampling=SamplingParams(max_tokens=4)
+    )
     replayed = seal(sender, req)
     assert httpx.post(f"{n.url}/v1/rollouts", content=replayed, headers=MSGPACK).status_code == 200
     cases = []
@@ -182,7 +247,12 @@ def test_bad_input_on_every_route_gets_clear_4xx_and_node_keeps_serving(node, cl
         for name, body, status in _json_cases():
             cases.append((route, name, body, status))
     cases += [
-        ("/v1/completions", "token id outside vocab", json.dumps({"prompt": [1, 10**6]}).encode(), 400),
+        (
+            "/v1/completions",
+            "token id outside vocab",
+            json.dumps({"prompt": [1, 10**6]}).encode(),
+            400,
+        ),
         ("/v1/completions", "empty prompt", json.dumps({"prompt": []}).encode(), 400),
         ("/tokenize", "neither prompt nor messages", b"{}", 400),
         ("/tokenize", "malformed json", b"{", 400),
@@ -192,11 +262,21 @@ def test_bad_input_on_every_route_gets_clear_4xx_and_node_keeps_serving(node, cl
             (route, "malformed msgpack", b"\xc1\xc1garbage", 400),
             (route, "msgpack of wrong shape", msgpack.packb([1, 2, 3]), 400),
             (route, "oversized", b"\x00" * 70000, 413),
-            (route, "wrong message kind", seal(sender, WeightReload(version=0)) if route != "/v1/weights/reload"
-             else seal(trainer, req), 400),
+            (
+                route,
+                "wrong message kind",
+                seal(sender, WeightReload(version=0))
+                if route != "/v1/weights/reload"
+                else seal(trainer, req),
+                400,
+            ),
         ]
-    signed = {"/v1/rollouts": req, "/v1/verify": VerifyRequest(rollout_envelope=b"junk"),
-              "/v1/weights/update": WeightUpdate(version=1, path="/x"), "/v1/weights/reload": WeightReload(version=0)}
+    signed = {
+        "/v1/rollouts": req,
+        "/v1/verify": VerifyRequest(rollout_envelope=b"junk"),
+        "/v1/weights/update": WeightUpdate(version=1, path="/x"),
+        "/v1/weights/reload": WeightReload(version=0),
+    }
     for route, msg in signed.items():
         who = trainer if "weights" in route else sender
         cases += [
@@ -206,14 +286,22 @@ def test_bad_input_on_every_route_gets_clear_4xx_and_node_keeps_serving(node, cl
     cases += [
         ("/v1/rollouts", "replayed", replayed, 409),
         ("/v1/verify", "rollout envelope is junk", seal(sender, signed["/v1/verify"]), 400),
-        ("/v1/rollouts", "prompt too long for the model",
-         seal(sender, req.model_copy(update={"prompt_ids": [5] * 600})), 400),
+        (
+            "/v1/rollouts",
+            "prompt too long for the model",
+            seal(sender, req.model_copy(update={"prompt_ids": [5] * 600})),
+            400,
+        ),
     ]
     failures = []
     for route, name, body, status in cases:
-        r = httpx.post(f"{n.url}{route}", content=body,
-                       headers=MSGPACK if "json" not in name and route.startswith("/v1/") and "completions" not in route
-                       else {"Content-Type": "application/json"})
+        r = httpx.post(
+            f"{n.url}{route}",
+            content=body,
+            headers=MSGPACK
+            if "json" not in name and route.startswith("/v1/") and "completions" not in route
+            else {"Content-Type": "application/json"},
+        )
         ok = r.status_code == status and r.json()["error"]["message"]
         if not ok:
             failures.append((route, name, r.status_code, r.text[:200]))
@@ -222,8 +310,12 @@ def test_bad_input_on_every_route_gets_clear_4xx_and_node_keeps_serving(node, cl
     # Still serving, and the OpenAI client sees a proper error object.
     assert n.alive() and n.health()["status"] == "ok"
     with pytest.raises(BadRequestError, match="only n = 1"):
-        client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "a"}], n=2)
-    resp = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "a"}], max_tokens=3)
+        client.chat.completions.create(
+            model="tiny", messages=[{"role": "user", "content": "a"}], n=2
+        )
+    resp = client.chat.completions.create(
+        model="tiny", messages=[{"role": "user", "content": "a"}], max_tokens=3
+    )
     assert resp.usage.completion_tokens <= 3
     time.sleep(0.1)
     assert "-> 4" in n.log_path.read_text()  # every refusal left a log line

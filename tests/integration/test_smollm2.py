@@ -17,7 +17,6 @@ from openai import OpenAI
 from protocol.envelope import seal
 from protocol.identity import Identity
 from tests import adversaries as adv
-from tests.conftest import random_chat_prompts
 from tests.integration.test_verification import SAMPLING, generate_all, rejection_rate, verify_all
 from tests.nodes import REPO, start_node
 
@@ -50,22 +49,39 @@ def _requests(tokenizer, n, seed):
     from protocol.messages import RolloutRequest
 
     rng = random.Random(seed)
-    topics = ["the sea", "prime numbers", "copper", "a sunrise", "Paris", "tea", "bees", "the sky", "trains"]
+    topics = [
+        "the sea",
+        "prime numbers",
+        "copper",
+        "a sunrise",
+        "Paris",
+        "tea",
+        "bees",
+        "the sky",
+        "trains",
+    ]
     prompts = []
     for _ in range(n):
         msgs = [{"role": "user", "content": f"Write one sentence about {rng.choice(topics)}."}]
         ids = tokenizer.apply_chat_template(msgs, add_generation_prompt=True, tokenize=True)
         prompts.append(list(ids["input_ids"] if hasattr(ids, "keys") else ids))
-    return [RolloutRequest(request_id=f"smol-{seed}-{i}", prompt_ids=p, sampling=SAMPLING, seed=rng.getrandbits(63))
-            for i, p in enumerate(prompts)]
+    return [
+        RolloutRequest(
+            request_id=f"smol-{seed}-{i}", prompt_ids=p, sampling=SAMPLING, seed=rng.getrandbits(63)
+        )
+        for i, p in enumerate(prompts)
+    ]
 
 
 def test_smollm2_answers_the_openai_client(smol_pair):
     a, _ = smol_pair
     client = OpenAI(base_url=f"{a.url}/v1", api_key="unused", max_retries=0)
     resp = client.chat.completions.create(
-        model="smollm2", messages=[{"role": "user", "content": "What is the capital of France?"}],
-        max_tokens=24, temperature=0)
+        model="smollm2",
+        messages=[{"role": "user", "content": "What is the capital of France?"}],
+        max_tokens=24,
+        temperature=0,
+    )
     assert "Paris" in resp.choices[0].message.content
 
 
@@ -76,7 +92,9 @@ def test_smollm2_honest_rollouts_verify(smol_pair, smol_engine, report):
     envelopes = asyncio.run(generate_all(a.url, scheduler, requests, concurrency=25))
     verdicts = asyncio.run(verify_all(b.url, scheduler, envelopes, requests, concurrency=25))
     rejected = [v.reasons for v in verdicts if not v.accepted]
-    report("smollm2 honest rollouts", {"rollouts": len(verdicts), "false_rejections": len(rejected)})
+    report(
+        "smollm2 honest rollouts", {"rollouts": len(verdicts), "false_rejections": len(rejected)}
+    )
     assert not rejected, rejected[:3]
 
 
@@ -95,6 +113,8 @@ def test_smollm2_cheats_are_rejected(smol_pair, smol_engine, report):
     for i, cheat in enumerate(cheats):
         reqs = _requests(smol_engine.tokenizer, 8, seed=10 + i)
         envelopes = [seal(cheat.identity, r) for r in cheat.rollouts(reqs, random.Random(i))]
-        rates[cheat.name] = rejection_rate(asyncio.run(verify_all(b.url, scheduler, envelopes, reqs)))
+        rates[cheat.name] = rejection_rate(
+            asyncio.run(verify_all(b.url, scheduler, envelopes, reqs))
+        )
     report("smollm2 rejection rates", rates)
     assert all(r == 1.0 for r in rates.values()), rates

@@ -24,34 +24,53 @@ from tests.conftest import random_chat_prompts
 SAMPLING = SamplingParams(temperature=1.0, top_p=1.0, max_tokens=64)
 
 
-def make_requests(tokenizer, n: int, seed: int, sampling: SamplingParams = SAMPLING) -> list[RolloutRequest]:
+def make_requests(
+    tokenizer, n: int, seed: int, sampling: SamplingParams = SAMPLING
+) -> list[RolloutRequest]:
     rng = random.Random(seed)
     return [
-        RolloutRequest(request_id=f"req-{seed}-{i}", prompt_ids=p, sampling=sampling, seed=rng.getrandbits(63))
+        RolloutRequest(
+            request_id=f"req-{seed}-{i}", prompt_ids=p, sampling=sampling, seed=rng.getrandbits(63)
+        )
         for i, p in enumerate(random_chat_prompts(tokenizer, n, seed))
     ]
 
 
-async def verify_all(verifier_url: str, scheduler: Identity, envelopes: list[bytes],
-                     requests: list[RolloutRequest], concurrency: int = 16) -> list[Verdict]:
+async def verify_all(
+    verifier_url: str,
+    scheduler: Identity,
+    envelopes: list[bytes],
+    requests: list[RolloutRequest],
+    concurrency: int = 16,
+) -> list[Verdict]:
     sem = asyncio.Semaphore(concurrency)
     async with aiohttp.ClientSession() as session:
+
         async def one(env: bytes, req: RolloutRequest) -> Verdict:
             async with sem:
-                opened, _ = await call(session, f"{verifier_url}/v1/verify", scheduler,
-                                       VerifyRequest(rollout_envelope=env, request=req), Verdict)
+                opened, _ = await call(
+                    session,
+                    f"{verifier_url}/v1/verify",
+                    scheduler,
+                    VerifyRequest(rollout_envelope=env, request=req),
+                    Verdict,
+                )
                 return opened.message
 
         return await asyncio.gather(*(one(e, r) for e, r in zip(envelopes, requests, strict=True)))
 
 
-async def generate_all(generator_url: str, scheduler: Identity, requests: list[RolloutRequest],
-                       concurrency: int = 32) -> list[bytes]:
+async def generate_all(
+    generator_url: str, scheduler: Identity, requests: list[RolloutRequest], concurrency: int = 32
+) -> list[bytes]:
     sem = asyncio.Semaphore(concurrency)
     async with aiohttp.ClientSession() as session:
+
         async def one(req: RolloutRequest) -> bytes:
             async with sem:
-                _, raw = await call(session, f"{generator_url}/v1/rollouts", scheduler, req, Rollout)
+                _, raw = await call(
+                    session, f"{generator_url}/v1/rollouts", scheduler, req, Rollout
+                )
                 return raw
 
         return await asyncio.gather(*(one(r) for r in requests))
@@ -73,11 +92,17 @@ def test_honest_tiny_rollouts_verify_on_second_worker(tiny_pair, tiny_engine, re
     rejected = [v for v in verdicts if not v.accepted]
     assert all(v.verifier_id == b.identity.node_id for v in verdicts)
     worst = {c.name: c.metrics for c in verdicts[0].checks if c.metrics}
-    report("tiny honest rollouts", {
-        "rollouts": len(verdicts), "false_rejections": len(rejected),
-        "mean_completion_tokens": statistics.mean(len(r.message.completion_ids) for r in rollouts),
-        "example_metrics": worst,
-    })
+    report(
+        "tiny honest rollouts",
+        {
+            "rollouts": len(verdicts),
+            "false_rejections": len(rejected),
+            "mean_completion_tokens": statistics.mean(
+                len(r.message.completion_ids) for r in rollouts
+            ),
+            "example_metrics": worst,
+        },
+    )
     assert not rejected, [v.reasons for v in rejected[:5]]
 
 
@@ -126,8 +151,12 @@ def test_each_kind_of_cheating_is_rejected(tiny_pair, tiny_engine, other_tiny_en
         if accepted:
             truth = honest.rollouts([reqs[k] for k in accepted])
             for k, t in zip(accepted, truth, strict=True):
-                assert rollouts[k].completion_ids == t.completion_ids, f"{cheat.name}: cheat accepted"
-                assert rollouts[k].logprobs == pytest.approx(t.logprobs, abs=1e-4), f"{cheat.name}: cheat accepted"
+                assert rollouts[k].completion_ids == t.completion_ids, (
+                    f"{cheat.name}: cheat accepted"
+                )
+                assert rollouts[k].logprobs == pytest.approx(t.logprobs, abs=1e-4), (
+                    f"{cheat.name}: cheat accepted"
+                )
             coincided[cheat.name] = len(accepted)
     report("tiny rejection rates", rates)
     report("tiny failing checks", reasons)
@@ -155,7 +184,9 @@ def test_perturbed_weights_noise_sweep(tiny_pair, tiny_engine, report):
     for j, scale in enumerate([1e-2, 3e-3, 1e-3, 3e-4, 1e-4]):
         reqs = make_requests(tiny_engine.tokenizer, 20, seed=400 + j)
         cheat = adv.PerturbedWeights(tiny_engine, scale=scale)
-        rates[scale] = rejection_rate(asyncio.run(verify_all(b.url, scheduler, cheat.signed(reqs), reqs)))
+        rates[scale] = rejection_rate(
+            asyncio.run(verify_all(b.url, scheduler, cheat.signed(reqs), reqs))
+        )
     smallest = min((s for s, r in rates.items() if r == 1.0), default=None)
     report("tiny perturbed-weights rejection rate by noise scale", rates)
     report("tiny smallest noise scale always caught", smallest)
@@ -167,7 +198,11 @@ def test_forged_signature_and_impersonation_are_rejected(tiny_pair, tiny_engine)
     a, b, _ = tiny_pair
     scheduler = Identity.generate()
     reqs = make_requests(tiny_engine.tokenizer, 1, seed=500)
-    rollout = adv.Generator(tiny_engine).rollouts(reqs)[0].model_copy(update={"node_id": a.identity.node_id})
+    rollout = (
+        adv.Generator(tiny_engine)
+        .rollouts(reqs)[0]
+        .model_copy(update={"node_id": a.identity.node_id})
+    )
     forged = seal(Identity.generate(), rollout)
     verdict = asyncio.run(verify_all(b.url, scheduler, [forged], reqs))[0]
     assert not verdict.accepted and verdict.checks[0].name == "signature"
