@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 from node.batcher import Batcher
 from node.engines.base import GenerationRequest, GenerationResult, InferenceEngine, PrefillResult
-from protocol.envelope import EnvelopeError, open_envelope, seal
+from protocol.envelope import open_envelope, seal
 from protocol.identity import Identity
 from protocol.messages import (
     CheckResult,
@@ -153,7 +153,7 @@ class Worker:
             request.expected_weights_hash
             and request.expected_weights_hash != self.engine.weights_hash
         ):
-            raise EnvelopeError(
+            raise RequestRejected(
                 f"this node holds weights {self.engine.weights_hash[:12]}, not {request.expected_weights_hash[:12]}"
             )
         elif len(rollout.prompt_ids) + len(rollout.completion_ids) > self.max_model_len:

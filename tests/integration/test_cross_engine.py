@@ -19,6 +19,7 @@ import subprocess
 import time
 import tomllib
 from contextlib import contextmanager
+from pathlib import Path
 
 import msgpack
 import pytest
@@ -112,6 +113,7 @@ class VLLMHelper:
         engine_cfg: dict,
         policy: VerificationPolicy,
         generate: list[RolloutRequest],
+        reload_path: Path | None = None,
     ):
         self.dir = workdir
         self.log = workdir / "vllm.log"
@@ -125,6 +127,8 @@ class VLLMHelper:
                     "gen_out": str(workdir / "gen.msgpack"),
                     "verify_job": str(workdir / "verify_job.msgpack"),
                     "verify_out": str(workdir / "verify.msgpack"),
+                    "reload_path": str(reload_path) if reload_path else None,
+                    "reload_out": str(workdir / "reload.msgpack"),
                 },
                 use_bin_type=True,
             )
@@ -197,18 +201,58 @@ def test_cross_engine(model, vllm_python, tmp_path, report):
         cross_engine(model, vllm_python, tmp_path, report)
 
 
+def perturbed_weights(src: Path, dst: Path) -> Path:
+    """A copy of `src`'s safetensors with every tensor moved by small seeded noise."""
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    dst.mkdir(parents=True, exist_ok=True)
+    gen = torch.Generator().manual_seed(1)
+    for f in sorted(src.glob("*.safetensors")):
+        state = load_file(str(f))
+        noisy = {
+            k: v + 0.05 * torch.randn(v.shape, generator=gen).to(v.dtype) for k, v in state.items()
+        }
+        save_file(noisy, str(dst / f.name), metadata={"format": "pt"})
+    return dst
+
+
+def verify_on_torch(
+    engine, rollouts: list[Rollout], by_id: dict, policies: list[VerificationPolicy]
+):
+    """Check results of every rollout under each policy, from the torch engine's prefill."""
+    out: list[list[list[CheckResult]]] = [[] for _ in policies]
+    for i in range(0, len(rollouts), 16):
+        batch = rollouts[i : i + 16]
+        pre = engine.prefill([(r.prompt_ids, r.completion_ids) for r in batch])
+        for r, p in zip(batch, pre, strict=True):
+            kw = {
+                "weights_hash": engine.weights_hash,
+                "eos_ids": engine.eos_token_ids,
+                "decode": engine.tokenizer.decode,
+                "request": by_id[r.request_id],
+            }
+            for res, policy in zip(out, policies, strict=True):
+                res.append(verify_rollout(r, p.logits, p.hidden_states, policy, **kw))
+    return out
+
+
 def cross_engine(model, vllm_python, tmp_path, report) -> None:
+    from node.engines.base import hash_weights_dir
     from node.engines.torch_engine import TorchEngine
 
     python, venv_s = vllm_python
     path = resolve_model(model)  # one folder for both engines (built here if needed)
     cfg = {"model": str(path), "dtype": "float32", "max_model_len": 1024, "max_batch_size": 16}
     policy = VerificationPolicy()
+    tight = VerificationPolicy(**tomllib.loads(TINY_FP32_POLICY.read_text())["verification"])
     torch_engine = TorchEngine(EngineConfig(kind="torch", **cfg))
     requests = make_requests(torch_engine.tokenizer, model)
     by_id = {q.request_id: q for q in requests}
+    # Tiny only (cheap): vLLM swaps in new weights and generates again.
+    reload_path = perturbed_weights(path, tmp_path / "weights-v1") if model == "tiny" else None
     t_helper = time.perf_counter()
-    helper = VLLMHelper(python, tmp_path, {"kind": "vllm", **cfg}, policy, requests)
+    helper = VLLMHelper(python, tmp_path, {"kind": "vllm", **cfg}, policy, requests, reload_path)
     try:
         # While vLLM starts: torch generates the same requests, for vLLM's prefill to verify.
         t0 = time.perf_counter()
@@ -244,26 +288,30 @@ def cross_engine(model, vllm_python, tmp_path, report) -> None:
 
         # vLLM rollouts verified by the torch engine's prefill (the production mix).
         t0 = time.perf_counter()
-        vllm_to_torch, vllm_to_torch_tight = [], []
-        tight = VerificationPolicy(**tomllib.loads(TINY_FP32_POLICY.read_text())["verification"])
-        for i in range(0, len(vllm_rollouts), 16):
-            batch = vllm_rollouts[i : i + 16]
-            pre = torch_engine.prefill([(r.prompt_ids, r.completion_ids) for r in batch])
-            for r, p in zip(batch, pre, strict=True):
-                kw = {
-                    "weights_hash": torch_engine.weights_hash,
-                    "eos_ids": torch_engine.eos_token_ids,
-                    "decode": torch_engine.tokenizer.decode,
-                    "request": by_id[r.request_id],
-                }
-                vllm_to_torch.append(verify_rollout(r, p.logits, p.hidden_states, policy, **kw))
-                vllm_to_torch_tight.append(
-                    verify_rollout(r, p.logits, p.hidden_states, tight, **kw)
-                )
+        vllm_to_torch, vllm_to_torch_tight = verify_on_torch(
+            torch_engine, vllm_rollouts, by_id, [policy, tight]
+        )
         torch_verify_s = time.perf_counter() - t0
 
         ver = helper.wait_for("verify.msgpack")
         torch_to_vllm = [[CheckResult(**c) for c in checks] for checks in ver["verify_checks"]]
+
+        reloaded = None
+        if reload_path is not None:
+            rel = helper.wait_for("reload.msgpack")
+            torch_engine.load_weights(reload_path, version=1)
+            assert rel["weights_hash"] == hash_weights_dir(reload_path) == torch_engine.weights_hash
+            v1_rollouts = [decode(b, Rollout) for b in rel["rollouts"]]
+            (v1_checks,) = verify_on_torch(torch_engine, v1_rollouts, by_id, [policy])
+            changed = sum(
+                a.completion_ids != b.completion_ids
+                for a, b in zip(v1_rollouts, vllm_rollouts, strict=True)
+            )
+            reloaded = {
+                **summarize(v1_checks),
+                "completions_changed_by_new_weights": f"{changed}/{len(requests)}",
+                "timings_s": {k: round(v, 1) for k, v in rel["timings"].items()},
+            }
     finally:
         helper.close()
     helper_s = time.perf_counter() - t_helper
@@ -275,11 +323,13 @@ def cross_engine(model, vllm_python, tmp_path, report) -> None:
     finishes: dict[str, int] = {}
     for r in vllm_rollouts:
         finishes[r.finish_reason] = finishes.get(r.finish_reason, 0) + 1
-    fwd, rev, fwd_tight = (
-        summarize(vllm_to_torch),
-        summarize(torch_to_vllm),
-        summarize(vllm_to_torch_tight),
+    decode_text = torch_engine.tokenizer.decode
+    stop_string_ends = sum(
+        bool(r.sampling.stop) and any(x in decode_text(r.completion_ids) for x in r.sampling.stop)
+        for r in vllm_rollouts
     )
+    fwd, rev = summarize(vllm_to_torch), summarize(torch_to_vllm)
+    fwd_tight = summarize(vllm_to_torch_tight)
     report(
         f"cross_engine.{model}",
         {
@@ -288,8 +338,10 @@ def cross_engine(model, vllm_python, tmp_path, report) -> None:
             "vllm_to_torch_tiny_fp32_policy": {
                 k: fwd_tight[k] for k in ("rejected", "failed_checks")
             },
+            "vllm_after_load_weights_to_torch": reloaded,
             "identical_completions": f"{same}/{len(requests)}",
             "vllm_finish_reasons": finishes,
+            "vllm_stop_string_endings": stop_string_ends,
             "vllm_tokens": sum(len(r.completion_ids) for r in vllm_rollouts),
             "timings_s": {
                 "venv_make": round(venv_s, 1),
@@ -303,9 +355,12 @@ def cross_engine(model, vllm_python, tmp_path, report) -> None:
     assert len(vllm_rollouts) == len(requests)
     assert fwd["rejected"] == 0, f"vLLM rollouts rejected by the torch engine: {fwd}"
     assert rev["rejected"] == 0, f"torch rollouts rejected by the vLLM engine: {rev}"
+    # The mix ends requests by max_tokens, by EOS and by stop strings.
+    assert set(finishes) == {"stop", "length"}, finishes
+    assert stop_string_ends > 0
     if model == "tiny":
         assert fwd_tight["rejected"] == 0, (
             f"vLLM rollouts outside the calibrated fp32 policy: {fwd_tight}"
         )
-    # The mix ends requests by max_tokens and by EOS or stop strings.
-    assert set(finishes) == {"stop", "length"}, finishes
+        assert reloaded is not None and reloaded["rejected"] == 0, reloaded
+        assert not reloaded["completions_changed_by_new_weights"].startswith("0/"), reloaded

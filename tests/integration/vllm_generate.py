@@ -6,13 +6,16 @@ torch work with this process's slow start-up):
    from `verifier.proofs.build_proof`, to `gen_out`;
 2. waits for `verify_job` (rollouts made by another engine, with their requests), checks
    each with the vLLM engine's prefill and `verifier.checks.verify_rollout`, and writes
-   every check result to `verify_out`.
+   every check result to `verify_out`;
+3. if the job names `reload_path`, swaps those weights in (`load_weights`, version 1) and
+   generates the same requests again into `reload_out`.
 Files are written to a temporary name and renamed, so a reader never sees half a file.
 
 Job (msgpack): {"engine": EngineConfig fields, "policy": VerificationPolicy fields,
-  "generate": [RolloutRequest bytes], "gen_out": path, "verify_job": path, "verify_out": path}
+  "generate": [RolloutRequest bytes], "gen_out": path, "verify_job": path, "verify_out": path,
+  "reload_path": path | None, "reload_out": path}
 verify_job: {"verify": [[Rollout bytes, RolloutRequest bytes], ...]}
-gen_out: {"rollouts": [Rollout bytes], "weights_hash": str, "timings": {...}}
+gen_out, reload_out: {"rollouts": [Rollout bytes], "weights_hash": str, "timings": {...}}
 verify_out: {"verify_checks": [[CheckResult dict, ...], ...], "timings": {...}}
 """
 
@@ -57,38 +60,37 @@ def main(job_path: Path) -> None:
     policy = VerificationPolicy(**job["policy"])
     try:
         requests = [decode(q, RolloutRequest) for q in job["generate"]]
-        t0 = time.perf_counter()
-        results = engine.generate(
-            [GenerationRequest(q.prompt_ids, q.sampling, q.seed) for q in requests]
-        )
-        timings["generate_s"] = time.perf_counter() - t0
-        rollouts = [
-            encode(
-                Rollout(
-                    request_id=q.request_id,
-                    pool_id=q.pool_id,
-                    node_id="vllm-cross-engine",
-                    prompt_ids=q.prompt_ids,
-                    completion_ids=g.completion_ids,
-                    logprobs=g.logprobs,
-                    finish_reason=g.finish_reason,
-                    sampling=q.sampling,
-                    seed=q.seed,
-                    weights_version=engine.weights_version,
-                    weights_hash=engine.weights_hash,
-                    proof_params=q.proof,
-                    proof=build_proof(g.hidden_states, q.proof),
-                )
+
+        def generate_into(out: str) -> None:
+            t0 = time.perf_counter()
+            results = engine.generate(
+                [GenerationRequest(q.prompt_ids, q.sampling, q.seed) for q in requests]
             )
-            for q, g in zip(requests, results, strict=True)
-        ]
-        write_atomic(
-            Path(job["gen_out"]),
-            msgpack.packb(
-                {"rollouts": rollouts, "weights_hash": engine.weights_hash, "timings": timings},
-                use_bin_type=True,
-            ),
-        )
+            timings["generate_s"] = time.perf_counter() - t0
+            rollouts = [
+                encode(
+                    Rollout(
+                        request_id=q.request_id,
+                        pool_id=q.pool_id,
+                        node_id="vllm-cross-engine",
+                        prompt_ids=q.prompt_ids,
+                        completion_ids=g.completion_ids,
+                        logprobs=g.logprobs,
+                        finish_reason=g.finish_reason,
+                        sampling=q.sampling,
+                        seed=q.seed,
+                        weights_version=engine.weights_version,
+                        weights_hash=engine.weights_hash,
+                        proof_params=q.proof,
+                        proof=build_proof(g.hidden_states, q.proof),
+                    )
+                )
+                for q, g in zip(requests, results, strict=True)
+            ]
+            body = {"rollouts": rollouts, "weights_hash": engine.weights_hash, "timings": timings}
+            write_atomic(Path(out), msgpack.packb(body, use_bin_type=True))
+
+        generate_into(job["gen_out"])
 
         verify_job = msgpack.unpackb(wait_for(Path(job["verify_job"]), 1800), raw=False)
         pairs = [(decode(r, Rollout), decode(q, RolloutRequest)) for r, q in verify_job["verify"]]
@@ -118,6 +120,13 @@ def main(job_path: Path) -> None:
                 use_bin_type=True,
             ),
         )
+
+        if job.get("reload_path"):
+            t0 = time.perf_counter()
+            engine.load_weights(job["reload_path"], version=1)
+            timings.clear()
+            timings["load_weights_s"] = time.perf_counter() - t0
+            generate_into(job["reload_out"])
     finally:
         engine.close()
 
