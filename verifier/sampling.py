@@ -140,10 +140,39 @@ class ReplayResult:
     in_support: torch.Tensor  # [N] bool: claimed token inside top-k/top-p (with slack)
 
 
+REPLAY_BLOCK_ROWS = 256  # bounds memory: a few [block, vocab] float32 temporaries at a time
+
+
 def replay(
     logits: torch.Tensor, tokens: list[int], param: RowParams, seed: int, p_slack: float
 ) -> ReplayResult:
     """Replay the choice of `tokens` (one per row of `logits` [N, V]) under one request's params."""
+    parts = [
+        _replay_block(
+            logits[i : i + REPLAY_BLOCK_ROWS],
+            tokens[i : i + REPLAY_BLOCK_ROWS],
+            param,
+            seed,
+            p_slack,
+            first_position=i,
+        )
+        for i in range(0, logits.shape[0], REPLAY_BLOCK_ROWS)
+    ]
+    return ReplayResult(
+        logprobs=torch.cat([r.logprobs for r in parts]),
+        score_gap=torch.cat([r.score_gap for r in parts]),
+        in_support=torch.cat([r.in_support for r in parts]),
+    )
+
+
+def _replay_block(
+    logits: torch.Tensor,
+    tokens: list[int],
+    param: RowParams,
+    seed: int,
+    p_slack: float,
+    first_position: int,
+) -> ReplayResult:
     logits = logits.float()
     n, vocab = logits.shape
     params = [param] * n
@@ -154,7 +183,8 @@ def replay(
     lenient = support_mask(scaled, k, p, p_slack) if p_slack > 0 else strict
     scores = scaled
     if param.temperature > 0:
-        scores = scaled + gumbel_noise([seed] * n, list(range(n)), vocab, logits.device)
+        positions = list(range(first_position, first_position + n))
+        scores = scaled + gumbel_noise([seed] * n, positions, vocab, logits.device)
     best = scores.masked_fill(~strict, float("-inf")).max(dim=-1).values
     gap = best - scores.gather(-1, tok)[:, 0]
     return ReplayResult(

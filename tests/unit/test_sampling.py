@@ -311,3 +311,18 @@ def test_replay_support_slack_widens_the_nucleus():
     assert not replay(logits, [2], param, 0, p_slack=0.0).in_support.item()
     assert replay(logits, [2], param, 0, p_slack=0.01).in_support.item()
     assert not replay(logits, [3], param, 0, p_slack=0.01).in_support.item()
+
+
+def test_replay_of_long_completion_matches_across_block_boundaries(monkeypatch):
+    """Replay works in row blocks (bounded memory); positions must continue across blocks."""
+    import verifier.sampling as vs
+
+    torch.manual_seed(0)
+    logits = torch.randn(70, 50) * 2
+    param = vs.RowParams(temperature=1.0, top_k=0, top_p=1.0)
+    tokens = [int(vs.sample(logits[i : i + 1], [param], [9], [i]).tokens[0]) for i in range(70)]
+    monkeypatch.setattr(vs, "REPLAY_BLOCK_ROWS", 16)
+    res = vs.replay(logits, tokens, param, seed=9, p_slack=0.0)
+    assert res.score_gap.shape == (70,) and float(res.score_gap.max()) == 0.0
+    shifted = vs.replay(logits[1:], tokens[1:], param, seed=9, p_slack=0.0)
+    assert float(shifted.score_gap.max()) > 0  # positions matter: an off-by-one is caught
