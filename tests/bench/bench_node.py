@@ -102,12 +102,13 @@ def say(msg: str) -> None:
 
 
 class _Steps:
-    """Progress over the benchmark's phases: a rich bar, or one line per phase."""
+    """Progress over the benchmark's phases: a rich bar on a terminal, else one line per phase."""
 
     def __init__(self, total: int):
         self.total = total
         self.progress = None
-        if Progress is not None:
+        self.t0 = time.perf_counter()
+        if Progress is not None and _console.is_terminal:
             self.progress = Progress(
                 SpinnerColumn(),
                 TextColumn("{task.description}"),
@@ -132,7 +133,10 @@ class _Steps:
         if self.progress is not None:
             self.progress.update(self.task, description=what)
         else:
-            print(f"[{self.done + 1}/{self.total}] {what}", flush=True)
+            print(
+                f"[{self.done + 1}/{self.total} {time.perf_counter() - self.t0:6.1f}s] {what}",
+                flush=True,
+            )
 
     def end(self) -> None:
         self.done += 1
@@ -370,6 +374,9 @@ class Row:
                 verify_cost, gen_cost if self.proof_build_s is not None else None
             ),
             "gen_s_per_rollout": div(gen_cost, self.batch_size),
+            "prefill_s_per_rollout": div(self.engine_prefill_s, self.batch_size),
+            "checks_s_per_rollout": div(self.checks_s, self.batch_size),
+            "check_proof_s_per_rollout": div(self.check_proof_s, self.batch_size),
             "verify_s_per_rollout": div(verify_cost, self.batch_size),
         }
 
@@ -628,6 +635,11 @@ def print_tables(report: dict) -> None:
             "  gen s/rollout, verify s/rollout",
             f"{_f(s['gen_s_per_rollout'], '{:.4f}')}, {_f(s['verify_s_per_rollout'], '{:.4f}')}",
         ),
+        (
+            "  verify = prefill + checks (proof check) s/rollout",
+            f"{_f(s['prefill_s_per_rollout'], '{:.4f}')} + {_f(s['checks_s_per_rollout'], '{:.4f}')}"
+            f" ({_f(s['check_proof_s_per_rollout'], '{:.4f}')})",
+        ),
         ("prefill/gen per rollout at best", _f(s["prefill_over_generation"], "{:.3f}")),
         (
             f"proof overhead at best (target < {PROOF_OVERHEAD_TARGET:.0%})",
@@ -788,6 +800,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default=None,
         help="timed runs per measurement, median kept (default 3; 1 for non-tiny models on CPU)",
     )
+    ap.add_argument(
+        "--threads",
+        default="auto",
+        help="CPU threads for torch (auto: torch's default, or 1 when the box is already busy, "
+        "i.e. 1-min load average >= half the cores: competing OpenMP threads stall each other)",
+    )
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument(
         "--quick", action="store_true", help="batch sizes 1,4, 16 tokens, one repeat: a smoke test"
@@ -848,11 +866,25 @@ def env_info(device: torch.device) -> dict:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     load_start = _loadavg()
+    notes = []
+    if args.threads != "auto":
+        torch.set_num_threads(int(args.threads))
+    elif (
+        args.device_kind == "cpu"
+        and load_start is not None
+        and load_start >= (os.cpu_count() or 1) / 2
+    ):
+        torch.set_num_threads(1)
+        notes.append(
+            f"CPU busy at start (1-min load {load_start:.1f} on {os.cpu_count()} cores): "
+            "torch limited to 1 thread (--threads N overrides)"
+        )
     from transformers.utils import logging as hf_logging
 
     hf_logging.set_verbosity_error()
     hf_logging.disable_progress_bar()
     project = import_project()
+    project.notes[:0] = notes
     rss_imports = peak_rss_bytes()
     phases = 1 + len(args.batch_sizes) * (3 + 2 * project.proofs)
     args.out.parent.mkdir(parents=True, exist_ok=True)
@@ -928,6 +960,9 @@ def main(argv: list[str] | None = None) -> int:
                     "verify_over_generation",
                     "prefill_over_generation",
                     "gen_s_per_rollout",
+                    "prefill_s_per_rollout",
+                    "checks_s_per_rollout",
+                    "check_proof_s_per_rollout",
                     "verify_s_per_rollout",
                     "proof_overhead",
                     "proof_bytes_per_token",

@@ -117,6 +117,7 @@ class VLLMHelper:
     ):
         self.dir = workdir
         self.log = workdir / "vllm.log"
+        self.last_output = "reload.msgpack" if reload_path else "verify.msgpack"
         job = workdir / "job.msgpack"
         job.write_bytes(
             msgpack.packb(
@@ -165,12 +166,16 @@ class VLLMHelper:
         tmp.rename(self.dir / "verify_job.msgpack")
 
     def close(self) -> None:
-        if self.proc.poll() is None:
-            try:
-                self.proc.wait(120)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(30)
+        """Let a helper that wrote its last file shut vLLM down; stop one that did not."""
+        if self.proc.poll() is not None:
+            return
+        if not (self.dir / self.last_output).exists():
+            self.proc.terminate()
+        try:
+            self.proc.wait(120)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait(30)
 
 
 def summarize(all_checks: list[list[CheckResult]]) -> dict:
