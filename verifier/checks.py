@@ -139,7 +139,7 @@ def verify_rollout(
         )
     )
 
-    diff = (torch.tensor(rollout.logprobs, dtype=torch.float32) - rep.logprobs).abs()
+    diff = (torch.tensor(rollout.logprobs, dtype=torch.float32) - rep.logprobs.cpu()).abs()
     max_diff, mean_diff = float(diff.max()), float(diff.mean())
     ok = max_diff <= policy.max_logprob_abs_diff and mean_diff <= policy.max_logprob_mean_abs_diff
     results.append(

@@ -53,6 +53,15 @@ def row_key(seed: int, position: int) -> int:
     return _signed(_splitmix_int(_splitmix_int(seed) ^ (position & _MASK64)))
 
 
+def _noise_from_keys(keys: torch.Tensor, vocab: int) -> torch.Tensor:
+    idx = torch.arange(vocab, dtype=torch.int64, device=keys.device) * _signed(_GOLDEN)
+    z = _mix_(keys[:, None] + idx[None, :])
+    # Top 53 bits -> u in (0, 1) exactly representable in float64; in-place ops halve memory traffic.
+    u = ((z >> 11) & ((1 << 53) - 1)).to(torch.float64)
+    u.add_(0.5).mul_(2.0**-53)
+    return u.log_().neg_().log_().neg_().to(torch.float32)
+
+
 def gumbel_noise(
     seeds: list[int], positions: list[int], vocab: int, device: torch.device | str = "cpu"
 ) -> torch.Tensor:
@@ -62,12 +71,7 @@ def gumbel_noise(
         dtype=torch.int64,
         device=device,
     )
-    idx = torch.arange(vocab, dtype=torch.int64, device=device) * _signed(_GOLDEN)
-    z = _mix_(keys[:, None] + idx[None, :])
-    # Top 53 bits -> u in (0, 1) exactly representable in float64; in-place ops halve memory traffic.
-    u = ((z >> 11) & ((1 << 53) - 1)).to(torch.float64)
-    u.add_(0.5).mul_(2.0**-53)
-    return u.log_().neg_().log_().neg_().to(torch.float32)
+    return _noise_from_keys(keys, vocab)
 
 
 @dataclass(frozen=True)
@@ -113,6 +117,32 @@ def support_mask(
 class SampleOutput:
     tokens: torch.Tensor  # [B] int64
     logprobs: torch.Tensor  # [B] float32 under log_softmax(logits / T)
+
+
+class BatchSampler:
+    """`sample` for one batch across decode steps: parameters and per-row seed keys stay on
+    the device, so a step copies nothing from the host. Same tokens as `sample`."""
+
+    def __init__(self, params: list[RowParams], seeds: list[int], vocab: int, device: torch.device):
+        self.vocab = vocab
+        self.t, self.k, self.p = _param_tensors(params, vocab, device)
+        self.filtering = any(0 < x.top_k < vocab or x.top_p < 1.0 for x in params)
+        self.stochastic = torch.tensor([x.temperature > 0 for x in params], device=device)
+        self.any_stochastic = any(x.temperature > 0 for x in params)
+        # row_key(seed, pos) = splitmix(splitmix(seed) ^ pos): the inner half is per row.
+        self.seed_keys = torch.tensor(
+            [_signed(_splitmix_int(s)) for s in seeds], dtype=torch.int64, device=device
+        )
+
+    def __call__(self, logits: torch.Tensor, position: int) -> SampleOutput:
+        scaled = logits.float() / self.t[:, None]
+        mask = support_mask(scaled, self.k, self.p) if self.filtering else None
+        scores = scaled if mask is None else scaled.masked_fill(~mask, float("-inf"))
+        if self.any_stochastic:
+            keys = _mix_((self.seed_keys ^ position) + _signed(_GOLDEN))
+            scores = scores + _noise_from_keys(keys, self.vocab) * self.stochastic[:, None]
+        tokens = scores.argmax(dim=-1)
+        return SampleOutput(tokens, token_logprobs(scaled, tokens[:, None]))
 
 
 def sample(

@@ -26,7 +26,7 @@ from node.engines.base import (
     hash_weights_dir,
 )
 from node.models import resolve_model
-from verifier.sampling import RowParams, sample
+from verifier.sampling import BatchSampler, RowParams
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -137,68 +137,69 @@ class TorchEngine(InferenceEngine):
         b = len(requests)
         dev = self.device
         width = max(len(r.prompt_ids) for r in requests)
+        max_new = max(r.sampling.max_tokens for r in requests)
         ids = torch.full((b, width), self.pad_id, dtype=torch.long)
-        mask = torch.zeros((b, width), dtype=torch.long)
+        # The whole attention mask is allocated once; step k uses its first width + k columns.
+        mask = torch.zeros((b, width + max_new), dtype=torch.long)
         for i, r in enumerate(requests):
             ids[i, width - len(r.prompt_ids) :] = torch.tensor(r.prompt_ids)
             mask[i, width - len(r.prompt_ids) :] = 1
         ids, mask = ids.to(dev), mask.to(dev)
-        positions = (mask.cumsum(-1) - 1).clamp(min=0)
+        positions = (mask[:, :width].cumsum(-1) - 1).clamp(min=0)
         cache = DynamicCache()
-        hidden = self._forward(ids, mask, positions, cache)
+        hidden = self._forward(ids, mask[:, :width], positions, cache)
 
         params = [
             RowParams(r.sampling.temperature, r.sampling.top_k, r.sampling.top_p) for r in requests
         ]
-        seeds = [r.seed for r in requests]
+        sampler = BatchSampler(params, [r.seed for r in requests], self.vocab_size, dev)
         watchers = [_StopWatcher(self.tokenizer, r.sampling.stop) for r in requests]
         tokens_out: list[list[int]] = [[] for _ in requests]
         logprobs_out: list[list[float]] = [[] for _ in requests]
-        rows: list[list[torch.Tensor]] = [[] for _ in requests]
+        step_hidden: list[torch.Tensor] = []  # [B, H] per step, kept on the device
         n_top = max(r.top_logprobs for r in requests)
         tops: list[list[list[tuple[int, float]]]] = [[] for _ in requests]
         finish: list[str | None] = [None] * b
-        last_pos = positions[:, -1]
+        last_pos = positions[:, -1:]
         step = 0
         while True:
             logits = self.lm_head(hidden)
-            out = sample(logits, params, seeds, [step] * b)
-            toks = out.tokens.tolist()
-            lps = out.logprobs.tolist()
-            hidden_cpu = hidden.detach().to("cpu")
+            out = sampler(logits, step)
+            step_hidden.append(hidden)
+            # One device->host copy per step: token ids are exact in float64.
+            host = torch.stack([out.tokens.double(), out.logprobs.double()]).tolist()
+            toks = [int(t) for t in host[0]]
             if n_top:
-                scale = torch.tensor([p.scale for p in params], device=dev)[:, None]
-                top = torch.log_softmax(logits.float() / scale, dim=-1).topk(n_top, dim=-1)
+                top = torch.log_softmax(logits.float() / sampler.t[:, None], dim=-1).topk(
+                    n_top, dim=-1
+                )
                 top_vals, top_ids = top.values.tolist(), top.indices.tolist()
             for i, r in enumerate(requests):
                 if finish[i] is not None:
                     continue
                 tokens_out[i].append(toks[i])
-                logprobs_out[i].append(lps[i])
-                rows[i].append(hidden_cpu[i])
+                logprobs_out[i].append(host[1][i])
                 if r.top_logprobs:
                     tops[i].append(
                         list(zip(top_ids[i], top_vals[i], strict=True))[: r.top_logprobs]
                     )
-                if (toks[i] in self.eos_token_ids and not r.sampling.ignore_eos) or watchers[i].hit(
-                    tokens_out[i]
-                ):
+                stop = toks[i] in self.eos_token_ids and not r.sampling.ignore_eos
+                if stop or watchers[i].hit(tokens_out[i]):
                     finish[i] = "stop"
                 elif len(tokens_out[i]) >= r.sampling.max_tokens:
                     finish[i] = "length"
             step += 1
             if all(f is not None for f in finish):
                 break
-            nxt = torch.tensor(toks, dtype=torch.long, device=dev)[:, None]
-            mask = torch.cat([mask, torch.ones((b, 1), dtype=mask.dtype, device=dev)], dim=1)
             last_pos = last_pos + 1
-            hidden = self._forward(nxt, mask, last_pos[:, None], cache)
+            hidden = self._forward(out.tokens[:, None], mask[:, : width + step], last_pos, cache)
+        rows = torch.stack(step_hidden, dim=1).cpu()  # [B, steps, H]
         return [
             GenerationResult(
                 tokens_out[i],
                 logprobs_out[i],
-                finish[i],
-                torch.stack(rows[i]),  # type: ignore[arg-type]
+                finish[i],  # type: ignore[arg-type]
+                rows[i, : len(tokens_out[i])].clone(),
                 tops[i] if requests[i].top_logprobs else None,
             )
             for i in range(b)
@@ -207,6 +208,7 @@ class TorchEngine(InferenceEngine):
     # -- verification prefill ------------------------------------------------------
     @torch.inference_mode()
     def prefill(self, items: list[tuple[list[int], list[int]]]) -> list[PrefillResult]:
+        """Logits stay on the engine's device (the checks run there); hidden rows go to CPU."""
         with self.lock:
             seqs = [p + c[:-1] for p, c in items]
             width = max(len(s) for s in seqs)
@@ -218,8 +220,17 @@ class TorchEngine(InferenceEngine):
             out = self.base(
                 input_ids=ids.to(self.device), attention_mask=mask.to(self.device), use_cache=False
             )
-            results = []
-            for i, (p, c) in enumerate(items):
-                h = out.last_hidden_state[i, len(p) - 1 : len(p) - 1 + len(c)]
-                results.append(PrefillResult(self.lm_head(h).float().cpu(), h.detach().cpu()))
-            return results
+            # Only the rows that produced completion tokens go through the output layer, at once.
+            rows = torch.cat(
+                [
+                    out.last_hidden_state[i, len(p) - 1 : len(p) - 1 + len(c)]
+                    for i, (p, c) in enumerate(items)
+                ]
+            )
+            logits = self.lm_head(rows).float()
+            hidden = rows.cpu()
+            sizes = [len(c) for _, c in items]
+            return [
+                PrefillResult(lg, h)
+                for lg, h in zip(logits.split(sizes), hidden.split(sizes), strict=True)
+            ]

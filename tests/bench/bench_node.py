@@ -28,8 +28,11 @@ median of `--repeats` timed runs):
 
 How to read it: ratios are measured side by side in one run, so they carry over between
 machines; absolute times and tokens/s only mean something on a GPU (on a shared
-2-core CPU box they are only a smoke test). `accepted` counts rollouts whose every check
-passed when the engine verified its own rollouts (honest rollouts: expect all).
+2-core CPU box they are only a smoke test, and with one repeat a ratio can move by tens of
+percent between runs). On a CPU that is already busy at start, torch is limited to one
+thread (`--threads` overrides): competing OpenMP threads otherwise slow decoding ~20x.
+`accepted` counts rollouts whose every check passed when the engine verified its own
+rollouts (honest rollouts: expect all).
 
 Runs without a server. On a box without `toploc` (or without the project's pydantic
 protocol layer) the proof and check measurements are recorded as null and only the

@@ -326,3 +326,22 @@ def test_replay_of_long_completion_matches_across_block_boundaries(monkeypatch):
     assert res.score_gap.shape == (70,) and float(res.score_gap.max()) == 0.0
     shifted = vs.replay(logits[1:], tokens[1:], param, seed=9, p_slack=0.0)
     assert float(shifted.score_gap.max()) > 0  # positions matter: an off-by-one is caught
+
+
+def test_batch_sampler_matches_sample_step_by_step():
+    """The engines' per-batch sampler (keys on the device) picks exactly what `sample` picks."""
+    import verifier.sampling as vs
+
+    torch.manual_seed(1)
+    params = [
+        vs.RowParams(1.0, 0, 1.0),
+        vs.RowParams(0.7, 20, 1.0),
+        vs.RowParams(1.3, 0, 0.9),
+        vs.RowParams(0.0, 0, 1.0),
+    ]
+    seeds = [1, 2**62 + 5, 0, 77]
+    batch = vs.BatchSampler(params, seeds, 100, torch.device("cpu"))
+    for step in range(20):
+        logits = torch.randn(4, 100) * 2
+        a, b = batch(logits, step), vs.sample(logits, params, seeds, [step] * 4)
+        assert torch.equal(a.tokens, b.tokens) and torch.equal(a.logprobs, b.logprobs)
