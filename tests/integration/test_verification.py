@@ -127,53 +127,64 @@ def other_tiny_engine():
     return TorchEngine(EngineConfig(model="tiny", seed=1))
 
 
+def check_cheats(b_url, engine, cheat, reqs, rng) -> tuple[list[Verdict], int]:
+    """Verify a cheat's rollouts on B; every accepted one must be token for token what an
+    honest node would have sent (a sample from the wrong distribution can coincide with
+    the right one on a short completion: then nothing was gained and nothing can be seen).
+    Returns the verdicts and how many coincided."""
+    rollouts = cheat.rollouts(reqs, rng)
+    envelopes = [seal(cheat.identity, r) for r in rollouts]
+    verdicts = asyncio.run(verify_all(b_url, Identity.generate(), envelopes, reqs))
+    accepted = [k for k, v in enumerate(verdicts) if v.accepted]
+    if accepted:
+        truth = adv.Generator(engine).rollouts([reqs[k] for k in accepted])
+        for k, t in zip(accepted, truth, strict=True):
+            assert rollouts[k].completion_ids == t.completion_ids, f"{cheat.name}: cheat accepted"
+            assert rollouts[k].logprobs == pytest.approx(t.logprobs, abs=1e-4), (
+                f"{cheat.name}: cheat accepted"
+            )
+    return verdicts, len(accepted)
+
+
+# Cheats on the sampling parameters can coincide with honest output on short completions.
+SAMPLING_CHEATS = ("other_temperature=0.7", "other_top_p=0.8")
+
+
 def test_each_kind_of_cheating_is_rejected(tiny_pair, tiny_engine, other_tiny_engine, report):
-    """Every cheating rollout is rejected, unless it is token for token what an honest
-    node would have sent (a colder sample can coincide with the honest one on a short
-    completion: then nothing was gained and nothing can be detected)."""
     _, b, _ = tiny_pair
-    scheduler = Identity.generate()
     n = 40
     rates, reasons, coincided = {}, {}, {}
-    honest = adv.Generator(tiny_engine)
     # Control: the same in-process path, honest, is accepted.
     reqs = make_requests(tiny_engine.tokenizer, n, seed=100)
-    verdicts = asyncio.run(verify_all(b.url, scheduler, honest.signed(reqs), reqs))
+    verdicts, _ = check_cheats(
+        b.url, tiny_engine, adv.Generator(tiny_engine), reqs, random.Random(0)
+    )
     assert rejection_rate(verdicts) == 0.0, [v.reasons for v in verdicts if not v.accepted][:3]
     for i, cheat in enumerate(_adversaries(tiny_engine, other_tiny_engine)):
         reqs = make_requests(tiny_engine.tokenizer, n, seed=200 + i)
-        rollouts = cheat.rollouts(reqs, random.Random(i))
-        envelopes = [seal(cheat.identity, r) for r in rollouts]
-        verdicts = asyncio.run(verify_all(b.url, scheduler, envelopes, reqs))
+        verdicts, same = check_cheats(b.url, tiny_engine, cheat, reqs, random.Random(i))
         rates[cheat.name] = rejection_rate(verdicts)
         reasons[cheat.name] = sorted({c.name for v in verdicts for c in v.checks if not c.passed})
-        accepted = [k for k, v in enumerate(verdicts) if v.accepted]
-        if accepted:
-            truth = honest.rollouts([reqs[k] for k in accepted])
-            for k, t in zip(accepted, truth, strict=True):
-                assert rollouts[k].completion_ids == t.completion_ids, (
-                    f"{cheat.name}: cheat accepted"
-                )
-                assert rollouts[k].logprobs == pytest.approx(t.logprobs, abs=1e-4), (
-                    f"{cheat.name}: cheat accepted"
-                )
-            coincided[cheat.name] = len(accepted)
+        coincided[cheat.name] = same
     report("tiny rejection rates", rates)
     report("tiny failing checks", reasons)
     report("tiny cheats accepted because identical to the honest output", coincided)
-    assert all(rate >= 0.9 for rate in rates.values()), rates
+    assert all(r == 1.0 for name, r in rates.items() if name not in SAMPLING_CHEATS), rates
+    assert all(rates[name] >= 0.75 for name in SAMPLING_CHEATS), rates
 
 
 def test_sampling_at_other_top_p_than_requested_is_caught(tiny_pair, tiny_engine, report):
     """Requested nucleus 0.9, sampled from the full distribution: tokens fall outside it."""
     _, b, _ = tiny_pair
-    scheduler = Identity.generate()
     requested = SAMPLING.model_copy(update={"top_p": 0.9})
     reqs = make_requests(tiny_engine.tokenizer, 40, seed=300, sampling=requested)
     cheat = adv.OtherSampling(tiny_engine, top_p=1.0)
-    verdicts = asyncio.run(verify_all(b.url, scheduler, cheat.signed(reqs), reqs))
-    report("tiny rejection rate, top_p 1.0 used for 0.9 requested", rejection_rate(verdicts))
-    assert rejection_rate(verdicts) == 1.0
+    verdicts, same = check_cheats(b.url, tiny_engine, cheat, reqs, random.Random(0))
+    report(
+        "tiny rejection rate, top_p 1.0 used for 0.9 requested",
+        {"rate": rejection_rate(verdicts), "identical_to_honest": same},
+    )
+    assert rejection_rate(verdicts) >= 0.75
 
 
 def test_perturbed_weights_noise_sweep(tiny_pair, tiny_engine, report):
