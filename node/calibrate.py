@@ -21,10 +21,10 @@ from rich.table import Table
 
 from node.config import CalibrateConfig
 from node.engines import GenerationRequest, create_engine
-from protocol.messages import ProofParams, Rollout, SamplingParams
+from node.worker import make_rollout
+from protocol.messages import RolloutRequest, SamplingParams
 from verifier.calibration import collect, permissive_policy, propose, summarize
 from verifier.checks import verify_rollout
-from verifier.proofs import build_proof
 
 PROMPT_TOPICS = [
     "Write a short poem about the sea.",
@@ -74,28 +74,22 @@ def run_calibration(cfg: CalibrateConfig, console: Console) -> None:
         for start in range(0, len(prompts), cfg.batch_size):
             batch = prompts[start : start + cfg.batch_size]
             reqs = [
-                GenerationRequest(p, sampling, cfg.seed * 100_003 + start + i)
+                RolloutRequest(
+                    request_id=f"cal-{start + i}",
+                    prompt_ids=p,
+                    sampling=sampling,
+                    seed=cfg.seed * 100_003 + start + i,
+                )
                 for i, p in enumerate(batch)
             ]
-            results = generator.generate(reqs)
+            results = generator.generate(
+                [GenerationRequest(q.prompt_ids, q.sampling, q.seed) for q in reqs]
+            )
             pre = verifier.prefill(
                 [(r.prompt_ids, g.completion_ids) for r, g in zip(reqs, results, strict=True)]
             )
             for r, g, v in zip(reqs, results, pre, strict=True):
-                rollout = Rollout(
-                    request_id=f"cal-{start}",
-                    node_id="calibration",
-                    prompt_ids=r.prompt_ids,
-                    completion_ids=g.completion_ids,
-                    logprobs=g.logprobs,
-                    finish_reason=g.finish_reason,
-                    sampling=sampling,
-                    seed=r.seed,
-                    weights_version=0,
-                    weights_hash=verifier.weights_hash,
-                    proof_params=ProofParams(),
-                    proof=build_proof(g.hidden_states, ProofParams()),
-                )
+                rollout = make_rollout(r, g, "calibration", 0, verifier.weights_hash)
                 checks.append(
                     verify_rollout(
                         rollout,

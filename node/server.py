@@ -202,23 +202,29 @@ class NodeServer:
             }
         )
 
+    async def _openai_generate(
+        self, rreq: RolloutRequest, top_logprobs: int, render, want_logprobs
+    ):
+        """Generate, keep the signed rollout for the proof route, answer in OpenAI's schema."""
+        signed = await self._limited(self.worker.generate(rreq, top_logprobs=top_logprobs))
+        self._remember(rreq.request_id, signed.envelope)
+        rollout = signed.rollout
+        return web.json_response(
+            render(
+                rollout,
+                self._text(rollout),
+                self.worker.engine.tokenizer,
+                self.model_name,
+                want_logprobs,
+                signed.top_logprobs,
+            )
+        )
+
     async def chat_completions(self, request: web.Request) -> web.Response:
         body = await self._json(request, ChatCompletionRequest)
         rreq = self._request(self._chat_ids(body.messages), body)
         top = body.top_logprobs if body.logprobs else 0
-        signed = await self._limited(self.worker.generate(rreq, top_logprobs=top))
-        self._remember(rreq.request_id, signed.envelope)
-        tok = self.worker.engine.tokenizer
-        return web.json_response(
-            chat_response(
-                signed.rollout,
-                self._text(signed.rollout),
-                tok,
-                self.model_name,
-                body.logprobs,
-                signed.top_logprobs,
-            )
-        )
+        return await self._openai_generate(rreq, top, chat_response, body.logprobs)
 
     async def completions(self, request: web.Request) -> web.Response:
         body = await self._json(request, CompletionRequest)
@@ -231,17 +237,8 @@ class NodeServer:
         if not ids:
             raise RequestRejected("prompt encodes to no tokens")
         rreq = self._request(list(ids), body)
-        signed = await self._limited(self.worker.generate(rreq, top_logprobs=body.logprobs or 0))
-        self._remember(rreq.request_id, signed.envelope)
-        return web.json_response(
-            completion_response(
-                signed.rollout,
-                self._text(signed.rollout),
-                tok,
-                self.model_name,
-                body.logprobs,
-                signed.top_logprobs,
-            )
+        return await self._openai_generate(
+            rreq, body.logprobs or 0, completion_response, body.logprobs
         )
 
     async def tokenize(self, request: web.Request) -> web.Response:

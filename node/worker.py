@@ -44,6 +44,27 @@ class SignedRollout:
     top_logprobs: list[list[tuple[int, float]]] | None = None
 
 
+def make_rollout(
+    request: RolloutRequest, result: GenerationResult, node_id: str, version: int, weights_hash: str
+) -> Rollout:
+    """The rollout answering `request`, with its TOPLOC proof built from `result`'s rows."""
+    return Rollout(
+        request_id=request.request_id,
+        pool_id=request.pool_id,
+        node_id=node_id,
+        prompt_ids=request.prompt_ids,
+        completion_ids=result.completion_ids,
+        logprobs=result.logprobs,
+        finish_reason=result.finish_reason,
+        sampling=request.sampling,
+        seed=request.seed,
+        weights_version=version,
+        weights_hash=weights_hash,
+        proof_params=request.proof,
+        proof=build_proof(result.hidden_states, request.proof),
+    )
+
+
 class Worker:
     def __init__(
         self,
@@ -114,23 +135,8 @@ class Worker:
         result = await self.gen_batcher.submit(
             GenerationRequest(request.prompt_ids, request.sampling, request.seed, top_logprobs)
         )
-        proof = await asyncio.get_running_loop().run_in_executor(
-            None, build_proof, result.hidden_states, request.proof
-        )
-        rollout = Rollout(
-            request_id=request.request_id,
-            pool_id=request.pool_id,
-            node_id=self.node_id,
-            prompt_ids=request.prompt_ids,
-            completion_ids=result.completion_ids,
-            logprobs=result.logprobs,
-            finish_reason=result.finish_reason,
-            sampling=request.sampling,
-            seed=request.seed,
-            weights_version=version,
-            weights_hash=weights_hash,
-            proof_params=request.proof,
-            proof=proof,
+        rollout = await asyncio.get_running_loop().run_in_executor(
+            None, lambda: make_rollout(request, result, self.node_id, version, weights_hash)
         )
         self.stats["generated"] += 1
         self.stats["generated_tokens"] += len(result.completion_ids)

@@ -18,10 +18,10 @@ from collections.abc import Callable
 import torch
 
 from node.engines.base import GenerationRequest, InferenceEngine
+from node.worker import make_rollout
 from protocol.envelope import seal
 from protocol.identity import Identity
 from protocol.messages import Rollout, RolloutRequest, SamplingParams
-from verifier.proofs import build_proof
 
 
 class Generator:
@@ -55,21 +55,7 @@ class Generator:
             [GenerationRequest(self._prompt(r), self._sampling(r), r.seed) for r in requests]
         )
         out = [
-            Rollout(
-                request_id=r.request_id,
-                pool_id=r.pool_id,
-                node_id=self.identity.node_id,
-                prompt_ids=r.prompt_ids,
-                completion_ids=g.completion_ids,
-                logprobs=g.logprobs,
-                finish_reason=g.finish_reason,
-                sampling=r.sampling,
-                seed=r.seed,
-                weights_version=0,
-                weights_hash=self.claim_hash,
-                proof_params=r.proof,
-                proof=build_proof(g.hidden_states, r.proof),
-            )
+            make_rollout(r, g, self.identity.node_id, 0, self.claim_hash)
             for r, g in zip(requests, gens, strict=True)
         ]
         return self._tamper(out, rng or random.Random(0))

@@ -27,6 +27,7 @@ import pytest
 from node.config import EngineConfig
 from node.engines.base import GenerationRequest
 from node.models import resolve_model
+from node.worker import make_rollout
 from protocol.codec import decode, encode
 from protocol.messages import (
     CheckResult,
@@ -38,7 +39,6 @@ from protocol.messages import (
 from tests.conftest import random_chat_prompts
 from tests.nodes import REPO
 from verifier.checks import verify_rollout
-from verifier.proofs import build_proof
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
@@ -269,20 +269,7 @@ def cross_engine(model, vllm_python, tmp_path, report) -> None:
             )
         torch_gen_s = time.perf_counter() - t0
         torch_rollouts = [
-            Rollout(
-                request_id=q.request_id,
-                node_id="torch-cross-engine",
-                prompt_ids=q.prompt_ids,
-                completion_ids=g.completion_ids,
-                logprobs=g.logprobs,
-                finish_reason=g.finish_reason,
-                sampling=q.sampling,
-                seed=q.seed,
-                weights_version=0,
-                weights_hash=torch_engine.weights_hash,
-                proof_params=q.proof,
-                proof=build_proof(g.hidden_states, q.proof),
-            )
+            make_rollout(q, g, "torch-cross-engine", 0, torch_engine.weights_hash)
             for q, g in zip(requests, torch_results, strict=True)
         ]
         helper.send_verify(list(zip(torch_rollouts, requests, strict=True)))

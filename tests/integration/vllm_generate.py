@@ -47,10 +47,10 @@ def main(job_path: Path) -> None:
     from node.config import EngineConfig
     from node.engines.base import GenerationRequest
     from node.engines.vllm_engine import VLLMEngine
+    from node.worker import make_rollout
     from protocol.codec import decode, encode
     from protocol.messages import Rollout, RolloutRequest, VerificationPolicy
     from verifier.checks import verify_rollout
-    from verifier.proofs import build_proof
 
     job = msgpack.unpackb(job_path.read_bytes(), raw=False)
     timings: dict[str, float] = {}
@@ -69,20 +69,8 @@ def main(job_path: Path) -> None:
             timings["generate_s"] = time.perf_counter() - t0
             rollouts = [
                 encode(
-                    Rollout(
-                        request_id=q.request_id,
-                        pool_id=q.pool_id,
-                        node_id="vllm-cross-engine",
-                        prompt_ids=q.prompt_ids,
-                        completion_ids=g.completion_ids,
-                        logprobs=g.logprobs,
-                        finish_reason=g.finish_reason,
-                        sampling=q.sampling,
-                        seed=q.seed,
-                        weights_version=engine.weights_version,
-                        weights_hash=engine.weights_hash,
-                        proof_params=q.proof,
-                        proof=build_proof(g.hidden_states, q.proof),
+                    make_rollout(
+                        q, g, "vllm-cross-engine", engine.weights_version, engine.weights_hash
                     )
                 )
                 for q, g in zip(requests, results, strict=True)
