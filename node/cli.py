@@ -19,9 +19,21 @@ console = Console(stderr=True)
 EXTRA = {"allow_extra_args": True, "ignore_unknown_options": True}
 
 
+# Short flags for the common settings of `serve` (`prime-node serve --model X --port 8000`).
+ALIASES = {"--model": "--engine.model", "--port": "--server.port", "--host": "--server.host"}
+
+
+def _expand_aliases(args: list[str]) -> list[str]:
+    out = []
+    for arg in args:
+        key, eq, value = arg.partition("=")
+        out.append(ALIASES.get(key, key) + eq + value)
+    return out
+
+
 def _config(cls, args: list[str]):
     try:
-        return load_config(cls, args)
+        return load_config(cls, _expand_aliases(args))
     except ConfigError as exc:
         console.print(f"[red]config error:[/red] {exc}")
         raise typer.Exit(2) from exc
@@ -39,7 +51,7 @@ def setup_logging(level: str = "INFO") -> None:
 def serve(ctx: typer.Context) -> None:
     """Run a standalone worker: OpenAI-compatible API, proof and verify routes.
 
-    Example: prime-node serve --engine.model smollm2 --server.port 8000
+    Example: prime-node serve --model smollm2 --port 8000 (short for --engine.model, --server.port)
     """
     from aiohttp import web
 

@@ -118,3 +118,20 @@ def test_smollm2_cheats_are_rejected(smol_pair, smol_engine, report):
         )
     report("smollm2 rejection rates", rates)
     assert all(r == 1.0 for r in rates.values()), rates
+
+
+def test_smollm2_smallest_weight_noise_still_caught(smol_pair, smol_engine, report):
+    """Relative Gaussian noise on every weight tensor, swept down until it slips through."""
+    _, b = smol_pair
+    scheduler = Identity.generate()
+    rates = {}
+    for j, scale in enumerate([1e-2, 1e-3, 3e-4, 1e-4, 3e-5]):
+        reqs = _requests(smol_engine.tokenizer, 6, seed=40 + j)
+        cheat = adv.PerturbedWeights(smol_engine, scale=scale)
+        envelopes = [seal(cheat.identity, r) for r in cheat.rollouts(reqs)]
+        rates[scale] = rejection_rate(asyncio.run(verify_all(b.url, scheduler, envelopes, reqs)))
+        del cheat
+    always = [s for s, r in rates.items() if r == 1.0]
+    report("smollm2 perturbed-weights rejection rate by noise scale", rates)
+    report("smollm2 smallest noise scale always caught", min(always) if always else None)
+    assert rates[1e-2] == 1.0 and rates[1e-3] == 1.0
