@@ -17,8 +17,10 @@ import asyncio
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
+import torch
+
 from node.batcher import Batcher
-from node.engines.base import GenerationRequest, GenerationResult, InferenceEngine, PrefillResult
+from node.engines.base import GenerationRequest, GenerationResult, InferenceEngine
 from protocol.envelope import open_envelope, seal
 from protocol.identity import Identity
 from protocol.messages import (
@@ -29,12 +31,22 @@ from protocol.messages import (
     VerificationPolicy,
     VerifyRequest,
 )
-from verifier.checks import verify_rollout
+from verifier.checks import check_rollout, replay_rollouts
 from verifier.proofs import build_proof
+from verifier.sampling import ReplayResult
 
 
 class RequestRejected(ValueError):
     """A request the engine must not run (too long, bad token ids)."""
+
+
+@dataclass
+class Replayed:
+    """The verifier's side of one rollout: replay results, hidden rows, weights used."""
+
+    replay: ReplayResult | None
+    hidden_states: torch.Tensor
+    weights_hash: str
 
 
 @dataclass
@@ -86,8 +98,8 @@ class Worker:
         self.gen_batcher: Batcher[GenerationRequest, GenerationResult] = Batcher(
             engine.generate, self.executor, max_batch_size, batch_wait_s
         )
-        self.prefill_batcher: Batcher[tuple[list[int], list[int]], PrefillResult] = Batcher(
-            engine.prefill, self.executor, max_batch_size, batch_wait_s
+        self.prefill_batcher: Batcher[Rollout, Replayed] = Batcher(
+            self._prefill_and_replay, self.executor, max_batch_size, batch_wait_s
         )
         self.stats = {
             "generated": 0,
@@ -143,6 +155,15 @@ class Worker:
         return SignedRollout(rollout, seal(self.identity, rollout, ttl_s=3600), result.top_logprobs)
 
     # -- verification --------------------------------------------------------------
+    def _prefill_and_replay(self, rollouts: list[Rollout]) -> list[Replayed]:
+        """Engine thread: one prefill and one batched sampling replay for a batch of rollouts."""
+        weights_hash = self.engine.weights_hash  # under the engine thread: no swap in between
+        pre = self.engine.prefill([(r.prompt_ids, r.completion_ids) for r in rollouts])
+        reps = replay_rollouts(rollouts, [p.logits for p in pre], self.policy.support_tolerance)
+        return [
+            Replayed(rep, p.hidden_states, weights_hash) for rep, p in zip(reps, pre, strict=True)
+        ]
+
     async def verify(self, request: VerifyRequest) -> tuple[Verdict, bytes]:
         """Judge someone else's rollout; returns the verdict and its signed envelope."""
         opened = open_envelope(request.rollout_envelope, Rollout, check_expiry=False)
@@ -169,17 +190,16 @@ class Worker:
                 CheckResult(name="support", passed=False, detail="token id outside the vocabulary")
             ]
         else:
-            weights_hash = self.engine.weights_hash
-            pre = await self.prefill_batcher.submit((rollout.prompt_ids, rollout.completion_ids))
+            done = await self.prefill_batcher.submit(rollout)
             tok = self.engine.tokenizer
             checks = await asyncio.get_running_loop().run_in_executor(
                 None,
-                lambda: verify_rollout(
+                lambda: check_rollout(
                     rollout,
-                    pre.logits,
-                    pre.hidden_states,
+                    done.replay,
+                    done.hidden_states,
                     self.policy,
-                    weights_hash=weights_hash,
+                    weights_hash=done.weights_hash,
                     eos_ids=self.engine.eos_token_ids,
                     decode=lambda ids: tok.decode(ids, skip_special_tokens=False),
                     request=request.request,

@@ -23,7 +23,7 @@ import torch
 
 from protocol.messages import CheckResult, Rollout, RolloutRequest, VerificationPolicy
 from verifier.proofs import check_proof
-from verifier.sampling import RowParams, replay
+from verifier.sampling import ReplayResult, RowParams, replay_rows
 
 Decode = Callable[[list[int]], str]
 
@@ -86,6 +86,32 @@ def check_termination(rollout: Rollout, eos_ids: frozenset[int], decode: Decode)
     return CheckResult(name="termination", passed=True)
 
 
+def replay_rollouts(
+    rollouts: list[Rollout], logits: list, p_slack: float
+) -> list[ReplayResult | None]:
+    """Replay the sampling of several rollouts in one batched pass over their logits
+    ([N_i, V] each, on any device); results come back on the CPU. None for a rollout with
+    a token id outside the vocabulary (it fails the support check without a replay)."""
+    ok = [i for i, r in enumerate(rollouts) if max(r.completion_ids) < logits[i].shape[-1]]
+    out: list[ReplayResult | None] = [None] * len(rollouts)
+    if not ok:
+        return out
+    tokens, params, seeds, positions = [], [], [], []
+    for i in ok:
+        r, s = rollouts[i], rollouts[i].sampling
+        n = len(r.completion_ids)
+        tokens += r.completion_ids
+        params += [RowParams(s.temperature, s.top_k, s.top_p)] * n
+        seeds += [r.seed] * n
+        positions += range(n)
+    rep = replay_rows(torch.cat([logits[i] for i in ok]), tokens, params, seeds, positions, p_slack)
+    sizes = [len(rollouts[i].completion_ids) for i in ok]
+    cols = [t.cpu().split(sizes) for t in (rep.logprobs, rep.score_gap, rep.in_support)]
+    for j, i in enumerate(ok):
+        out[i] = ReplayResult(logprobs=cols[0][j], score_gap=cols[1][j], in_support=cols[2][j])
+    return out
+
+
 def verify_rollout(
     rollout: Rollout,
     logits,  # torch.Tensor [N, V]: verifier's logits of the rows that produced each token
@@ -97,23 +123,40 @@ def verify_rollout(
     decode: Decode,
     request: RolloutRequest | None = None,
 ) -> list[CheckResult]:
-    """Run every check; the rollout is acceptable iff all results passed."""
+    """Run every check on one rollout; it is acceptable iff all results passed."""
+    rep = replay_rollouts([rollout], [logits], policy.support_tolerance)[0]
+    return check_rollout(
+        rollout,
+        rep,
+        hidden_states,
+        policy,
+        weights_hash=weights_hash,
+        eos_ids=eos_ids,
+        decode=decode,
+        request=request,
+    )
+
+
+def check_rollout(
+    rollout: Rollout,
+    rep: ReplayResult | None,  # from `replay_rollouts`
+    hidden_states,  # torch.Tensor [N, H]: the verifier's rows that produced each token
+    policy: VerificationPolicy,
+    *,
+    weights_hash: str,
+    eos_ids: frozenset[int],
+    decode: Decode,
+    request: RolloutRequest | None = None,
+) -> list[CheckResult]:
+    """Every check, given the rollout's replay; acceptable iff all results passed."""
     results = [
         check_request(rollout, request),
         check_weights(rollout, weights_hash),
         check_termination(rollout, eos_ids, decode),
     ]
-    s = rollout.sampling
-    if max(rollout.completion_ids) >= logits.shape[-1]:
+    if rep is None:
         bad = CheckResult(name="support", passed=False, detail="token id outside the vocabulary")
         return results + [bad]
-    rep = replay(
-        logits,
-        rollout.completion_ids,
-        RowParams(s.temperature, s.top_k, s.top_p),
-        rollout.seed,
-        policy.support_tolerance,
-    )
     n = len(rollout.completion_ids)
 
     outside = int((~rep.in_support).sum())
@@ -139,7 +182,7 @@ def verify_rollout(
         )
     )
 
-    diff = (torch.tensor(rollout.logprobs, dtype=torch.float32) - rep.logprobs.cpu()).abs()
+    diff = (torch.tensor(rollout.logprobs, dtype=torch.float32) - rep.logprobs).abs()
     max_diff, mean_diff = float(diff.max()), float(diff.mean())
     ok = max_diff <= policy.max_logprob_abs_diff and mean_diff <= policy.max_logprob_mean_abs_diff
     results.append(

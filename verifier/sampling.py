@@ -177,23 +177,39 @@ class ReplayResult:
     in_support: torch.Tensor  # [N] bool: claimed token inside top-k/top-p (with slack)
 
 
-REPLAY_BLOCK_ROWS = 256  # bounds memory: a few [block, vocab] float32 temporaries at a time
+# Rows replayed per block: bounds the float64 noise temporaries to ~2**24 elements.
+REPLAY_BLOCK_ELEMS = 2**24
 
 
 def replay(
     logits: torch.Tensor, tokens: list[int], param: RowParams, seed: int, p_slack: float
 ) -> ReplayResult:
     """Replay the choice of `tokens` (one per row of `logits` [N, V]) under one request's params."""
+    n = logits.shape[0]
+    return replay_rows(logits, tokens, [param] * n, [seed] * n, list(range(n)), p_slack)
+
+
+def replay_rows(
+    logits: torch.Tensor,
+    tokens: list[int],
+    params: list[RowParams],
+    seeds: list[int],
+    positions: list[int],
+    p_slack: float,
+) -> ReplayResult:
+    """Replay rows of several completions at once: row r is position `positions[r]` of a
+    completion sampled with `params[r]` and `seeds[r]` (batched replay: few kernel launches)."""
+    block = max(1, REPLAY_BLOCK_ELEMS // logits.shape[-1])
     parts = [
         _replay_block(
-            logits[i : i + REPLAY_BLOCK_ROWS],
-            tokens[i : i + REPLAY_BLOCK_ROWS],
-            param,
-            seed,
+            logits[i : i + block],
+            tokens[i : i + block],
+            params[i : i + block],
+            seeds[i : i + block],
+            positions[i : i + block],
             p_slack,
-            first_position=i,
         )
-        for i in range(0, logits.shape[0], REPLAY_BLOCK_ROWS)
+        for i in range(0, logits.shape[0], block)
     ]
     return ReplayResult(
         logprobs=torch.cat([r.logprobs for r in parts]),
@@ -205,23 +221,25 @@ def replay(
 def _replay_block(
     logits: torch.Tensor,
     tokens: list[int],
-    param: RowParams,
-    seed: int,
+    params: list[RowParams],
+    seeds: list[int],
+    positions: list[int],
     p_slack: float,
-    first_position: int,
 ) -> ReplayResult:
     logits = logits.float()
     n, vocab = logits.shape
-    params = [param] * n
     t, k, p = _param_tensors(params, vocab, logits.device)
     scaled = logits / t[:, None]
     tok = torch.tensor(tokens, dtype=torch.int64, device=logits.device)[:, None]
     strict = support_mask(scaled, k, p)
     lenient = support_mask(scaled, k, p, p_slack) if p_slack > 0 and strict is not None else strict
     scores = scaled
-    if param.temperature > 0:
-        positions = list(range(first_position, first_position + n))
-        scores = scaled + gumbel_noise([seed] * n, positions, vocab, logits.device)
+    stochastic = [x.temperature > 0 for x in params]
+    if any(stochastic):
+        noise = gumbel_noise(seeds, positions, vocab, logits.device)
+        if not all(stochastic):
+            noise *= torch.tensor(stochastic, device=logits.device)[:, None]
+        scores = scaled + noise
     best = (
         (scores if strict is None else scores.masked_fill(~strict, float("-inf")))
         .max(dim=-1)

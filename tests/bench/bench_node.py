@@ -13,7 +13,7 @@ Hugging Face runs interleaved. Per batch size B:
    `model(input_ids)` forward over the same right-padded batch (logits at every position;
    building the batch is timed on both sides). Tokens = prompt + completion - 1 per row.
    In both `eng/HF` columns, > 1 means the engine is faster.
-3. `verify/gen`: (prefill + `verify_rollout`, every check, proof included) over (generation
+3. `verify/gen`: (prefill + batched replay + every check, proof included) over (generation
    + `build_proof`) of the same rollouts; B cancels, so it is the cost ratio per rollout.
    Target <= 0.1: one verifier keeps up with ten generators. `prefill/gen`: the same ratio
    without checks and proofs.
@@ -69,7 +69,7 @@ from node.config import EngineConfig  # noqa: E402
 from node.engines.base import GenerationRequest, GenerationResult  # noqa: E402
 from node.engines.torch_engine import TorchEngine  # noqa: E402
 from protocol.messages import ProofParams, Rollout, SamplingParams, VerificationPolicy  # noqa: E402
-from verifier.checks import verify_rollout  # noqa: E402
+from verifier.checks import check_rollout, replay_rollouts  # noqa: E402
 from verifier.proofs import build_proof, check_proof  # noqa: E402
 
 RESULTS_DIR = HERE / "results"
@@ -157,7 +157,7 @@ class Row:
     proof_build_s: float = 0.0
     proof_bytes: int = 0
     proof_chunks: int = 0
-    checks_s: float = 0.0  # verify_rollout over the batch, proof check included
+    checks_s: float = 0.0  # batched replay + checks over the batch, proof check included
     check_proof_s: float = 0.0  # check_proof alone over the batch (part of checks_s)
     accepted: int = 0
     failed_checks: dict[str, int] | None = None
@@ -281,7 +281,7 @@ class NodeBench:
             dev, a.repeats, lambda: self.engine.prefill(items), lambda: self.hf_forward(items)
         )
 
-        self.phase(f"B={b}: verify_rollout (all checks)")
+        self.phase(f"B={b}: checks (one batched sampling replay, then every check per rollout)")
         rollouts = [self.rollout(i, results[i], proofs[i]) for i in range(b)]
         pairs = list(zip(rollouts, prefills, strict=True))
         eng, tok = self.engine, self.engine.tokenizer
@@ -290,9 +290,7 @@ class NodeBench:
         [(verdicts, row.checks_s, _)] = measure(
             dev,
             a.repeats,
-            lambda: [
-                verify_rollout(r, p.logits, p.hidden_states, self.policy, **kw) for r, p in pairs
-            ],
+            lambda: self.check_all(pairs, kw),
         )
         [(_, row.check_proof_s, _)] = measure(
             dev,
@@ -304,6 +302,16 @@ class NodeBench:
         row.accepted = sum(all(c.passed for c in v) for v in verdicts)
         row.failed_checks = dict(Counter(c.name for v in verdicts for c in v if not c.passed))
         return row
+
+    def check_all(self, pairs, kw) -> list:
+        """What a verifying node does after its prefill (node.worker): batched replay, checks."""
+        reps = replay_rollouts(
+            [r for r, _ in pairs], [p.logits for _, p in pairs], self.policy.support_tolerance
+        )
+        return [
+            check_rollout(r, rep, p.hidden_states, self.policy, **kw)
+            for (r, p), rep in zip(pairs, reps, strict=True)
+        ]
 
     def rollout(self, i: int, result: GenerationResult, proof: list[bytes]) -> Rollout:
         return Rollout(

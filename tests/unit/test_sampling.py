@@ -321,7 +321,7 @@ def test_replay_of_long_completion_matches_across_block_boundaries(monkeypatch):
     logits = torch.randn(70, 50) * 2
     param = vs.RowParams(temperature=1.0, top_k=0, top_p=1.0)
     tokens = [int(vs.sample(logits[i : i + 1], [param], [9], [i]).tokens[0]) for i in range(70)]
-    monkeypatch.setattr(vs, "REPLAY_BLOCK_ROWS", 16)
+    monkeypatch.setattr(vs, "REPLAY_BLOCK_ELEMS", 16 * 50)  # 16 rows of 50 logits per block
     res = vs.replay(logits, tokens, param, seed=9, p_slack=0.0)
     assert res.score_gap.shape == (70,) and float(res.score_gap.max()) == 0.0
     shifted = vs.replay(logits[1:], tokens[1:], param, seed=9, p_slack=0.0)
@@ -345,3 +345,30 @@ def test_batch_sampler_matches_sample_step_by_step():
         logits = torch.randn(4, 100) * 2
         a, b = batch(logits, step), vs.sample(logits, params, seeds, [step] * 4)
         assert torch.equal(a.tokens, b.tokens) and torch.equal(a.logprobs, b.logprobs)
+
+
+def test_batched_replay_of_several_completions_equals_one_by_one():
+    """The verifier replays many rollouts in one pass; per-row seeds/params/positions must
+    give exactly what replaying each completion alone gives."""
+    import verifier.sampling as vs
+
+    torch.manual_seed(2)
+    jobs = [
+        (vs.RowParams(1.0, 0, 1.0), 11, 7),
+        (vs.RowParams(0.6, 10, 1.0), 12, 5),
+        (vs.RowParams(0.0, 0, 0.9), 13, 4),
+    ]
+    logits, tokens, params, seeds, positions, alone = [], [], [], [], [], []
+    for param, seed, n in jobs:
+        lg = torch.randn(n, 60) * 2
+        toks = [int(vs.sample(lg[i : i + 1], [param], [seed], [i]).tokens[0]) for i in range(n)]
+        alone.append(vs.replay(lg, toks, param, seed, p_slack=0.01))
+        logits.append(lg)
+        tokens += toks
+        params += [param] * n
+        seeds += [seed] * n
+        positions += range(n)
+    batched = vs.replay_rows(torch.cat(logits), tokens, params, seeds, positions, p_slack=0.01)
+    assert torch.equal(batched.score_gap, torch.cat([r.score_gap for r in alone]))
+    assert torch.equal(batched.logprobs, torch.cat([r.logprobs for r in alone]))
+    assert bool(batched.in_support.all()) and float(batched.score_gap.max()) == 0.0
