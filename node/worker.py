@@ -41,6 +41,15 @@ class RequestRejected(ValueError):
 
 
 @dataclass
+class Generated:
+    """One generation result and the weights version it was produced with."""
+
+    result: GenerationResult
+    version: int
+    weights_hash: str
+
+
+@dataclass
 class Replayed:
     """The verifier's side of one rollout: replay results, hidden rows, weights used."""
 
@@ -95,8 +104,8 @@ class Worker:
         self.max_model_len = max_model_len
         self.pool_id = pool_id
         self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="engine")
-        self.gen_batcher: Batcher[GenerationRequest, GenerationResult] = Batcher(
-            engine.generate, self.executor, max_batch_size, batch_wait_s
+        self.gen_batcher: Batcher[GenerationRequest, Generated] = Batcher(
+            self._generate_batch, self.executor, max_batch_size, batch_wait_s
         )
         self.prefill_batcher: Batcher[Rollout, Replayed] = Batcher(
             self._prefill_and_replay, self.executor, max_batch_size, batch_wait_s
@@ -143,16 +152,23 @@ class Worker:
                 f"exceeds max_model_len {self.max_model_len}"
             )
         self._check_tokens(request.prompt_ids, "prompt")
-        version, weights_hash = self.engine.weights_version, self.engine.weights_hash
-        result = await self.gen_batcher.submit(
+        done = await self.gen_batcher.submit(
             GenerationRequest(request.prompt_ids, request.sampling, request.seed, top_logprobs)
         )
+        result = done.result
         rollout = await asyncio.get_running_loop().run_in_executor(
-            None, lambda: make_rollout(request, result, self.node_id, version, weights_hash)
+            None,
+            lambda: make_rollout(request, result, self.node_id, done.version, done.weights_hash),
         )
         self.stats["generated"] += 1
         self.stats["generated_tokens"] += len(result.completion_ids)
         return SignedRollout(rollout, seal(self.identity, rollout, ttl_s=3600), result.top_logprobs)
+
+    def _generate_batch(self, requests: list[GenerationRequest]) -> list[Generated]:
+        """Engine thread: the version read here is the one the batch runs with (swaps happen
+        on this thread too, between batches)."""
+        version, weights_hash = self.engine.weights_version, self.engine.weights_hash
+        return [Generated(r, version, weights_hash) for r in self.engine.generate(requests)]
 
     # -- verification --------------------------------------------------------------
     def _prefill_and_replay(self, rollouts: list[Rollout]) -> list[Replayed]:
