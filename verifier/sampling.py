@@ -137,12 +137,11 @@ class BatchSampler:
     def __call__(self, logits: torch.Tensor, position: int) -> SampleOutput:
         scaled = logits.float() / self.t[:, None]
         mask = support_mask(scaled, self.k, self.p) if self.filtering else None
-        scores = scaled if mask is None else scaled.masked_fill(~mask, float("-inf"))
+        noise = None
         if self.any_stochastic:
             keys = _mix_((self.seed_keys ^ position) + _signed(_GOLDEN))
-            scores = scores + _noise_from_keys(keys, self.vocab) * self.stochastic[:, None]
-        tokens = scores.argmax(dim=-1)
-        return SampleOutput(tokens, token_logprobs(scaled, tokens[:, None]))
+            noise = _noise_from_keys(keys, self.vocab)
+        return _choose(scaled, mask, noise, self.stochastic)
 
 
 def sample(
@@ -153,11 +152,20 @@ def sample(
     vocab = logits.shape[-1]
     t, k, p = _param_tensors(params, vocab, logits.device)
     scaled = logits / t[:, None]
-    mask = support_mask(scaled, k, p)
-    scores = scaled if mask is None else scaled.masked_fill(~mask, float("-inf"))
     stochastic = torch.tensor([x.temperature > 0 for x in params], device=logits.device)
-    if bool(stochastic.any()):
-        noise = gumbel_noise(seeds, positions, vocab, logits.device)
+    noise = gumbel_noise(seeds, positions, vocab, logits.device) if bool(stochastic.any()) else None
+    return _choose(scaled, support_mask(scaled, k, p), noise, stochastic)
+
+
+def _choose(
+    scaled: torch.Tensor,
+    mask: torch.Tensor | None,
+    noise: torch.Tensor | None,
+    stochastic: torch.Tensor,
+) -> SampleOutput:
+    """argmax of the filtered scaled logits, plus the noise on stochastic (T > 0) rows."""
+    scores = scaled if mask is None else scaled.masked_fill(~mask, float("-inf"))
+    if noise is not None:
         scores = scores + noise * stochastic[:, None]
     tokens = scores.argmax(dim=-1)
     return SampleOutput(tokens, token_logprobs(scaled, tokens[:, None]))
