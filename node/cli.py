@@ -1,4 +1,5 @@
-"""`prime-node`: run a worker, manage its key, prepare bundled models, calibrate thresholds.
+"""`prime-node`: run a worker (standalone or in a pool), manage its key, prepare bundled
+models, calibrate thresholds.
 
 Every command takes its settings through the shared config loader
 (`protocol.config`): ``--section.key value`` flags, ``@ file.toml`` and ``PRIME_`` env vars.
@@ -17,7 +18,8 @@ console = Console(stderr=True)
 EXTRA = {"allow_extra_args": True, "ignore_unknown_options": True}
 
 
-# Short flags for the common settings of `serve` (`prime-node serve --model X --port 8000`).
+# Short flags for the common settings of `serve` and `join` (`prime-node serve --model X
+# --port 8000`); `join`'s --pool, --scheduler, --operator, ... are top-level keys already.
 ALIASES = {"--model": "--engine.model", "--port": "--server.port", "--host": "--server.host"}
 
 
@@ -86,6 +88,30 @@ def serve(ctx: typer.Context) -> None:
         access_log=None,
         handle_signals=True,
     )
+
+
+@app.command(context_settings=EXTRA)
+def join(ctx: typer.Context) -> None:
+    """Join a pool: check its signed config, register with its scheduler, serve, heartbeat.
+
+    Example: prime-node join --pool demo --scheduler http://127.0.0.1:7000 --operator me
+    [--invite TOKEN_OR_FILE] [--owner NODE_ID] [--advertise-url URL] [--model DIR] [--port N].
+    SIGTERM/SIGINT leave cleanly (drain, then deregister; a second signal cuts the drain).
+    Exit status: 0 left cleanly, 2 refused or scheduler unreachable at start, 3 banned.
+    """
+    import asyncio
+
+    from node.config import JoinConfig
+    from node.join import JoinError, run
+
+    cfg = _config(JoinConfig, ctx.args)
+    setup_logging()
+    write_resolved(cfg, cfg.log_dir / "node.toml")
+    try:
+        asyncio.run(run(cfg))
+    except JoinError as exc:
+        console.print(f"join failed: {exc}", style="red", markup=False, soft_wrap=True)
+        raise typer.Exit(exc.exit_code) from exc
 
 
 @app.command()

@@ -1,4 +1,4 @@
-"""Configuration of a worker node (`prime-node serve`, `prime-node calibrate`, ...).
+"""Configuration of a worker node (`prime-node serve`, `prime-node join`, `prime-node calibrate`).
 
 Invariants: every field is documented where it is declared; validators fail fast with a
 message a user can act on; the resolved config is written into `log_dir` at start.
@@ -16,6 +16,37 @@ from protocol.identity import IdentityError, public_key_from_node_id
 from protocol.messages import VerificationPolicy
 
 BUNDLED_MODELS = ("tiny", "smollm2")
+# Hosts a node listens on that no scheduler can reach it by.
+WILDCARD_HOSTS = ("0.0.0.0", "::", "")
+
+
+def _model_exists(v: str) -> str:
+    if v in BUNDLED_MODELS:
+        return v
+    p = Path(v).expanduser()
+    if not (p / "config.json").is_file():
+        raise ValueError(
+            f"model {v!r} is neither a bundled model {BUNDLED_MODELS} nor a folder with a config.json"
+        )
+    return str(p)
+
+
+def _require_vllm(kind: str) -> None:
+    if kind == "vllm":
+        import importlib.util
+
+        if importlib.util.find_spec("vllm") is None:
+            raise ValueError(
+                "engine.kind = 'vllm' needs vLLM installed (pip install 'prime-swarm[vllm]')"
+            )
+
+
+def _node_id(v: str) -> str:
+    try:
+        public_key_from_node_id(v)
+    except IdentityError as exc:
+        raise ValueError(str(exc)) from exc
+    return v
 
 
 class Section(BaseModel):
@@ -46,14 +77,7 @@ class EngineConfig(Section):
     @field_validator("model")
     @classmethod
     def check_model_exists(cls, v: str) -> str:
-        if v in BUNDLED_MODELS:
-            return v
-        p = Path(v).expanduser()
-        if not (p / "config.json").is_file():
-            raise ValueError(
-                f"model {v!r} is neither a bundled model {BUNDLED_MODELS} nor a folder with a config.json"
-            )
-        return str(p)
+        return _model_exists(v)
 
 
 class ServerConfig(Section):
@@ -94,22 +118,86 @@ class NodeConfig(PrimeSettings):
     @field_validator("trusted_keys")
     @classmethod
     def check_trusted_keys_are_node_ids(cls, v: list[str]) -> list[str]:
-        for node_id in v:
-            try:
-                public_key_from_node_id(node_id)
-            except IdentityError as exc:
-                raise ValueError(str(exc)) from exc
-        return v
+        return [_node_id(node_id) for node_id in v]
 
     @model_validator(mode="after")
     def check_vllm_has_gpu_or_cpu_wheel(self) -> NodeConfig:
-        if self.engine.kind == "vllm":
-            import importlib.util
+        _require_vllm(self.engine.kind)
+        return self
 
-            if importlib.util.find_spec("vllm") is None:
-                raise ValueError(
-                    "engine.kind = 'vllm' needs vLLM installed (pip install 'prime-swarm[vllm]')"
-                )
+
+class JoinEngineConfig(EngineConfig):
+    """The engine of a node joining a pool: the same settings, the model defaults to the pool's."""
+
+    model: str | None = None
+    """A Hugging Face model folder or bundled model ('tiny', 'smollm2') to serve the pool's
+    model from; unset = the model named in the pool's config."""
+
+    @field_validator("model")
+    @classmethod
+    def check_model_exists(cls, v: str | None) -> str | None:
+        return None if v is None else _model_exists(v)
+
+    def resolve(self, pool_model: str) -> EngineConfig:
+        """The engine config to build, with the pool's model unless one was given here."""
+        return EngineConfig(**self.model_dump(exclude={"model"}), model=self.model or pool_model)
+
+
+class JoinConfig(PrimeSettings):
+    """`prime-node join`: serve a pool's scheduler as a worker (register, heartbeat, leave)."""
+
+    pool: str = Field(min_length=1, max_length=64)
+    """Id of the pool to join; the scheduler's signed pool config must name this id."""
+    scheduler: str
+    """Base URL of the pool's scheduler (http:// or https://)."""
+    operator: str = Field("", max_length=128)
+    """Operator label; a node never verifies rollouts of nodes with the same operator."""
+    advertise_url: str = ""
+    """URL the scheduler reaches this node's HTTP API by ('' = http://{server.host}:{port});
+    it may carry a path prefix when the node sits behind a proxy."""
+    invite: str = ""
+    """Invite token (base64url of an owner-signed invite), or a file holding one, for
+    invite-only pools ('' = none)."""
+    owner: str = ""
+    """Node id of the pool owner: refuse a pool config signed by anyone else ('' = trust
+    whoever signed the config the scheduler serves)."""
+    drain_timeout_s: float = Field(120.0, ge=0)
+    """On SIGTERM/SIGINT: longest wait for in-flight work to finish before leaving."""
+    startup_attempts: int = Field(5, ge=1, le=100)
+    """Tries (with backoff: 0.5 s, 1 s, 2 s, ...) to reach the scheduler at start before giving up."""
+    engine: JoinEngineConfig = JoinEngineConfig()
+    """Inference engine (its model defaults to the pool's)."""
+    server: ServerConfig = ServerConfig(port=0)
+    """HTTP server (port 0 picks a free one)."""
+    key_file: Path = Path("~/.prime-swarm/node.key")
+    """Ed25519 key file; created with mode 0600 on first start."""
+    log_dir: Path = Path("runs/node/logs")
+    """Where the resolved config and logs go."""
+
+    @field_validator("scheduler", "advertise_url")
+    @classmethod
+    def check_http_url(cls, v: str) -> str:
+        if v and not v.startswith(("http://", "https://")):
+            raise ValueError(f"{v!r} must start with http:// or https://")
+        return v.rstrip("/")
+
+    @field_validator("owner")
+    @classmethod
+    def check_owner_is_node_id(cls, v: str) -> str:
+        return _node_id(v) if v else v
+
+    @model_validator(mode="after")
+    def check_advertise_url_reachable(self) -> JoinConfig:
+        if self.server.host in WILDCARD_HOSTS and not self.advertise_url:
+            raise ValueError(
+                f"server.host = {self.server.host!r} listens everywhere but is no address to "
+                "reach this node by: set --advertise-url http://<public host>:<port>"
+            )
+        return self
+
+    @model_validator(mode="after")
+    def check_vllm_has_gpu_or_cpu_wheel(self) -> JoinConfig:
+        _require_vllm(self.engine.kind)
         return self
 
 

@@ -28,6 +28,8 @@ class _OpenAIRequest(BaseModel):
     top_p: float = Field(1.0, gt=0, le=1)
     top_k: int = Field(0, ge=-1)
     seed: int | None = Field(None, ge=0, le=MAX_SEED)
+    request_id: str | None = Field(None, min_length=1, max_length=128)
+    """Rollout id to use (as vLLM's); the scheduler sets it so it can fetch the proof."""
     stop: str | list[str] | None = None
     n: int = 1
     stream: bool = False

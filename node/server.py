@@ -10,10 +10,16 @@ Routes:
   trusted key (the pool's trainer);
 - GET /health.
 
+In a pool (`prime-node join`) the proof routes take work only from the scheduler:
+`callers` holds the keys allowed to sign rollout and verify requests (None = anyone, as a
+standalone `serve`; an empty set = nobody, before registration).
+
 Invariants: every bad input (malformed JSON or msgpack, oversized body, wrong types, bad
 / expired / replayed / untrusted signature) gets a 4xx with a JSON error body and one log
 line, and the server keeps serving; signed routes reject a replayed nonce; requests past
-`max_concurrent_requests` get 503 instead of queueing without bound.
+`max_concurrent_requests` get 503 instead of queueing without bound; weights are loaded
+only under a trusted signature, through one function (`load_weights`), whether they come
+from the trainer's push or relayed by the scheduler (`load_relayed_weights`).
 """
 
 from __future__ import annotations
@@ -85,10 +91,12 @@ class NodeServer:
         max_body_bytes: int,
         max_concurrent: int,
         rollout_cache_size: int,
+        callers: set[bytes] | None = None,
     ):
         self.worker = worker
         self.model_name = model_name
         self.trusted = {public_key_from_node_id(k) for k in trusted_keys}
+        self.callers = callers
         self.max_body_bytes = max_body_bytes
         self.replay = ReplayCache()
         self.slots = asyncio.Semaphore(max_concurrent)
@@ -96,6 +104,8 @@ class NodeServer:
         self.rollouts: OrderedDict[str, bytes] = OrderedDict()
         self.rollout_cache_size = rollout_cache_size
         self.weights_path: str | None = None
+        # Requests holding a slot (queued for the engine or being answered): a drain waits on it.
+        self.in_flight = 0
 
     def app(self) -> web.Application:
         app = web.Application(client_max_size=self.max_body_bytes, middlewares=[error_middleware])
@@ -141,7 +151,11 @@ class NodeServer:
                 text=f"node is saturated ({self.max_concurrent} requests in flight)"
             )
         async with self.slots:
-            return await coro
+            self.in_flight += 1
+            try:
+                return await coro
+            finally:
+                self.in_flight -= 1
 
     def _remember(self, rollout_id: str, envelope: bytes) -> None:
         if self.rollout_cache_size == 0:
@@ -156,7 +170,7 @@ class NodeServer:
 
     def _request(self, prompt_ids: list[int], body) -> RolloutRequest:
         return RolloutRequest(
-            request_id=uuid.uuid4().hex,
+            request_id=body.request_id or uuid.uuid4().hex,
             pool_id=self.worker.pool_id,
             prompt_ids=prompt_ids,
             sampling=body.sampling(default_max_tokens=256),
@@ -257,6 +271,7 @@ class NodeServer:
             await request.read(),
             RolloutRequest,
             replay_cache=self.replay,
+            trusted_senders=self.callers,
             max_bytes=self.max_body_bytes,
         )
         signed = await self._limited(self.worker.generate(opened.message))
@@ -273,6 +288,7 @@ class NodeServer:
             await request.read(),
             VerifyRequest,
             replay_cache=self.replay,
+            trusted_senders=self.callers,
             max_bytes=self.max_body_bytes,
         )
         verdict, envelope = await self._limited(self.worker.verify(opened.message))
@@ -284,7 +300,8 @@ class NodeServer:
         )
         return web.Response(body=envelope, content_type=MSGPACK)
 
-    async def _load(self, update: WeightUpdate) -> web.Response:
+    async def load_weights(self, update: WeightUpdate) -> None:
+        """Swap `update`'s weights into the engine (the caller checked who signed it)."""
         loop = asyncio.get_running_loop()
         try:
             await loop.run_in_executor(
@@ -299,6 +316,28 @@ class NodeServer:
         self.weights_path = update.path
         engine = self.worker.engine
         log.info("loaded weights version %d (%s)", engine.weights_version, engine.weights_hash[:12])
+
+    async def load_relayed_weights(self, envelope: bytes) -> bool:
+        """Load a trainer-signed `WeightUpdate` that the scheduler passed on; True if loaded.
+
+        The trainer signed it when it published, so it is usually past its expiry by now:
+        the signature is what counts, and only a newer version (or another hash of the same
+        one) is loaded, so an old envelope replayed by anyone cannot roll the weights back.
+        """
+        update = open_envelope(
+            envelope, WeightUpdate, trusted_senders=self.trusted, check_expiry=False
+        ).message
+        engine = self.worker.engine
+        if update.version < engine.weights_version or (
+            update.version == engine.weights_version
+            and update.weights_hash in ("", engine.weights_hash)
+        ):
+            return False
+        await self.load_weights(update)
+        return True
+
+    def _weights_response(self) -> web.Response:
+        engine = self.worker.engine
         return web.json_response(
             {"weights_version": engine.weights_version, "weights_hash": engine.weights_hash}
         )
@@ -311,7 +350,8 @@ class NodeServer:
             trusted_senders=self.trusted,
             max_bytes=self.max_body_bytes,
         )
-        return await self._load(opened.message)
+        await self.load_weights(opened.message)
+        return self._weights_response()
 
     async def weights_reload(self, request: web.Request) -> web.Response:
         """Re-read the current weights from disk (after a repair of the files, say)."""
@@ -328,4 +368,5 @@ class NodeServer:
                 f"node holds version {engine.weights_version}, not {opened.message.version}"
             )
         path = self.weights_path or str(getattr(engine, "model_path", ""))
-        return await self._load(WeightUpdate(version=engine.weights_version, path=path))
+        await self.load_weights(WeightUpdate(version=engine.weights_version, path=path))
+        return self._weights_response()

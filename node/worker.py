@@ -117,6 +117,9 @@ class Worker:
             "accepted": 0,
             "rejected": 0,
         }
+        # Tokens of accepted requests not answered yet (prompt + max_tokens for a generation,
+        # prompt + completion for a verification): the load the node reports to the scheduler.
+        self.outstanding_tokens = 0
 
     @property
     def node_id(self) -> str:
@@ -152,14 +155,20 @@ class Worker:
                 f"exceeds max_model_len {self.max_model_len}"
             )
         self._check_tokens(request.prompt_ids, "prompt")
-        done = await self.gen_batcher.submit(
-            GenerationRequest(request.prompt_ids, request.sampling, request.seed, top_logprobs)
-        )
-        result = done.result
-        rollout = await asyncio.get_running_loop().run_in_executor(
-            None,
-            lambda: make_rollout(request, result, self.node_id, done.version, done.weights_hash),
-        )
+        self.outstanding_tokens += total
+        try:
+            done = await self.gen_batcher.submit(
+                GenerationRequest(request.prompt_ids, request.sampling, request.seed, top_logprobs)
+            )
+            result = done.result
+            rollout = await asyncio.get_running_loop().run_in_executor(
+                None,
+                lambda: make_rollout(
+                    request, result, self.node_id, done.version, done.weights_hash
+                ),
+            )
+        finally:
+            self.outstanding_tokens -= total
         self.stats["generated"] += 1
         self.stats["generated_tokens"] += len(result.completion_ids)
         return SignedRollout(rollout, seal(self.identity, rollout, ttl_s=3600), result.top_logprobs)
@@ -206,7 +215,12 @@ class Worker:
                 CheckResult(name="support", passed=False, detail="token id outside the vocabulary")
             ]
         else:
-            done = await self.prefill_batcher.submit(rollout)
+            tokens = len(rollout.prompt_ids) + len(rollout.completion_ids)
+            self.outstanding_tokens += tokens
+            try:
+                done = await self.prefill_batcher.submit(rollout)
+            finally:
+                self.outstanding_tokens -= tokens
             tok = self.engine.tokenizer
             checks = await asyncio.get_running_loop().run_in_executor(
                 None,

@@ -207,6 +207,9 @@ class WeightReload(Message):
     """Version the node is expected to hold; a node holding another refuses."""
 
 
+NodeState = Literal["registered", "healthy", "unhealthy", "dead", "draining", "left", "banned"]
+
+
 class Heartbeat(Message):
     """Worker -> scheduler: I am alive, with this version and load."""
 
@@ -214,8 +217,33 @@ class Heartbeat(Message):
     """Sender's node id."""
     weights_version: int = Field(ge=0)
     """Version the engine serves."""
+    weights_hash: str = Field("", max_length=128)
+    """Hash of the weights the engine serves."""
     outstanding_tokens: int = Field(0, ge=0)
     """Tokens queued or in generation."""
+    stats: dict[str, int] = {}
+    """Counters since start (generated, verified, accepted, rejected, ...), for the dashboard."""
+
+
+class HeartbeatResponse(Message):
+    """Scheduler -> worker: your state, and the pool's newest weights if you lack them."""
+
+    state: NodeState
+    """The node's lifecycle state as the scheduler sees it."""
+    weights_envelope: bytes = b""
+    """The trainer-signed `WeightUpdate` of the pool's newest weights, when newer than the
+    node's (the node checks the trainer signature itself); empty otherwise."""
+
+
+class Invite(Message):
+    """An invite token: signed by the pool owner, single use, with the envelope's expiry."""
+
+    pool_id: str = Field(min_length=1, max_length=64)
+    """Pool the invite admits to."""
+    invite_id: str = Field(min_length=8, max_length=64)
+    """Unique id; an invite is consumed by its first registration."""
+    node_id: str = Field("", max_length=128)
+    """Node id the invite is bound to ('' = whoever presents it first)."""
 
 
 class RegisterRequest(Message):
@@ -225,14 +253,142 @@ class RegisterRequest(Message):
     """Pool to join."""
     operator: str = Field("", max_length=128)
     """Operator label; a verifier is never of the generator's operator."""
-    http_url: str = Field(max_length=512)
-    """Where the worker's HTTP API listens."""
-    p2p_addrs: list[str] = []
+    http_url: str = Field(min_length=8, max_length=512)
+    """Where the worker's HTTP API listens (http://host:port)."""
+    p2p_addrs: list[str] = Field([], max_length=16)
     """libp2p multiaddrs of the node."""
-    engine: Literal["torch", "vllm"] = "torch"
-    """Inference engine kind."""
-    invite: bytes = b""
+    engine: Literal["torch", "vllm", "loadtest"] = "torch"
+    """Inference engine kind ('loadtest' is the benchmark's instant fake engine)."""
+    model: str = Field("", max_length=512)
+    """Model the node serves (must be the pool's)."""
+    weights_version: int = Field(0, ge=0)
+    """Version the node holds right now."""
+    weights_hash: str = Field("", max_length=128)
+    """Hash of the weights the node holds right now."""
+    capacity: int = Field(16, ge=1, le=4096)
+    """Requests the node takes at once before the scheduler holds more back."""
+    invite: bytes = Field(b"", max_length=4096)
     """Invite token envelope (invite-only pools)."""
+
+    @field_validator("http_url")
+    @classmethod
+    def check_http_url(cls, v: str) -> str:
+        if not v.startswith(("http://", "https://")):
+            raise ValueError("http_url must start with http:// or https://")
+        return v.rstrip("/")
+
+
+class RegisterResponse(Message):
+    """Scheduler -> worker: admitted; how to behave from now on."""
+
+    node_id: str
+    """The admitted node's id."""
+    pool_id: str
+    """Pool joined."""
+    scheduler_id: str
+    """The scheduler's node id: the node accepts rollout and verify requests signed by it."""
+    heartbeat_interval_s: float
+    """How often the node must heartbeat."""
+    weights_envelope: bytes = b""
+    """The trainer-signed `WeightUpdate` of the pool's current weights (empty: the base model)."""
+
+
+class Deregister(Message):
+    """Worker -> scheduler: leave the pool cleanly."""
+
+    node_id: str
+    """Sender's node id."""
+    stage: Literal["drain", "leave"] = "drain"
+    """'drain': send me no new work; 'leave': I am gone (after my work finished)."""
+
+
+class NodeAck(Message):
+    """Scheduler -> worker: a node message was taken; the node's state now."""
+
+    state: NodeState
+    """The node's lifecycle state."""
+    in_flight: int = 0
+    """Requests the scheduler still waits on from this node."""
+
+
+class RolloutSpec(Message):
+    """Orchestrator -> scheduler: one rollout to generate (the scheduler picks the seed)."""
+
+    request_id: str = Field(min_length=1, max_length=128)
+    """Unique within the pool, chosen by the orchestrator: resubmitting it is a no-op."""
+    prompt_ids: list[int] = Field(min_length=1, max_length=65536)
+    """Prompt token ids (already chat-templated)."""
+    sampling: SamplingParams = SamplingParams()
+    """Sampling parameters."""
+    min_version: int = Field(0, ge=0)
+    """Lowest admissible weights version for the generator."""
+
+    @field_validator("prompt_ids")
+    @classmethod
+    def check_token_ids_non_negative(cls, v: list[int]) -> list[int]:
+        if any(t < 0 for t in v):
+            raise ValueError("token ids must be non-negative")
+        return v
+
+
+class SubmitRollouts(Message):
+    """Orchestrator -> scheduler: a batch of rollout requests (signed by the trainer key)."""
+
+    pool_id: str = Field(min_length=1, max_length=64)
+    """Pool the batch is for."""
+    requests: list[RolloutSpec] = Field(min_length=1, max_length=10_000)
+    """The requests."""
+
+
+class SubmitAck(Message):
+    """Scheduler -> orchestrator: the batch is durable."""
+
+    accepted: int
+    """New requests stored."""
+    duplicates: int
+    """Request ids already known (ignored: resubmitting is idempotent)."""
+
+
+class ResultsQuery(Message):
+    """Orchestrator -> scheduler: results after a cursor (long-poll)."""
+
+    after: int = Field(0, ge=0)
+    """Return results with seq > after (the last seq the caller has)."""
+    limit: int = Field(500, ge=1, le=10_000)
+    """Most results in one answer."""
+    wait_s: float = Field(0.0, ge=0, le=60)
+    """Block up to this long when there is nothing new."""
+
+
+class RolloutResult(Message):
+    """One request's final outcome, released exactly once in the results stream."""
+
+    seq: int = Field(ge=1)
+    """Position in the pool's results stream (strictly increasing)."""
+    request_id: str
+    """The request (for OpenAI-endpoint calls: the rollout id given in the answer)."""
+    source: Literal["dispatch", "openai"] = "dispatch"
+    """Submitted by the orchestrator, or made through the OpenAI-compatible endpoint."""
+    status: Literal["accepted", "rejected", "failed"]
+    """'accepted': verified (or skipped by the spot-check rate); 'rejected': an OpenAI-endpoint
+    rollout that failed verification (its episode must not be trained on); 'failed': gave up."""
+    detail: str = ""
+    """Why a request failed or was rejected, or 'unverified (spot check)'."""
+    weights_version: int = Field(0, ge=0)
+    """Version the rollout was generated with."""
+    rollout_envelope: bytes = b""
+    """The generator's signed `Rollout`."""
+    verdict_envelopes: list[bytes] = []
+    """The signed verdicts that decided it (verifier, and a judge after a dispute)."""
+
+
+class ResultsPage(Message):
+    """Scheduler -> orchestrator: a page of the results stream."""
+
+    results: list[RolloutResult]
+    """Results in seq order."""
+    last_seq: int
+    """The cursor to pass as `after` next time."""
 
 
 class AdmissionPolicy(Message):
@@ -269,6 +425,26 @@ class VerificationPolicy(Message):
     """Support: slack on the top-p mass when deciding a token was inside the nucleus."""
 
 
+class ReputationPolicy(Message):
+    """How verdicts move a node's reputation, and when it is banned."""
+
+    initial: float = Field(1.0, gt=0, le=1)
+    """Reputation of a newly admitted node."""
+    reward_accepted: float = Field(0.02, ge=0, le=1)
+    """Gain (capped at 1) when a node's rollout is accepted or its verdict is upheld."""
+    penalty_lost_dispute: float = Field(0.25, gt=0, le=1)
+    """Loss of the side a dispute proves wrong (a generator whose rollout was rejected
+    by the judge, or a verifier whose rejection the judge overturned)."""
+    ban_below: float = Field(0.3, ge=0, lt=1)
+    """A node whose reputation falls below this is banned and its work re-dispatched."""
+
+    @model_validator(mode="after")
+    def check_ban_below_initial(self) -> ReputationPolicy:
+        if self.ban_below >= self.initial:
+            raise ValueError("ban_below must be lower than initial, or every node starts banned")
+        return self
+
+
 class PoolConfig(Message):
     """A pool, signed by its owner."""
 
@@ -282,6 +458,8 @@ class PoolConfig(Message):
     """Admission policy."""
     verification: VerificationPolicy = VerificationPolicy()
     """Verification policy and thresholds."""
+    reputation: ReputationPolicy = ReputationPolicy()
+    """Reputation and ban rule."""
     async_level: int = Field(2, ge=0, le=64)
     """Largest allowed age (in steps) of a rollout's policy at training time."""
 

@@ -1,10 +1,140 @@
-"""`prime-scheduler`: the pool's coordination daemon (built in the scheduler issue)."""
+"""`prime-scheduler`: run a pool's scheduler daemon, create pools, issue invites, migrate.
+
+Every command takes its settings through the shared config loader (`protocol.config`):
+``--section.key value`` flags, ``@ file.toml`` and ``PRIME_`` env vars.
+"""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import typer
+from rich.console import Console
+
+from protocol.config import ConfigError, load_config, write_resolved
+from protocol.logs import setup_logging
 
 app = typer.Typer(help="prime-swarm scheduler daemon.", no_args_is_help=True, add_completion=False)
+pool_app = typer.Typer(help="Create pools and invites.", no_args_is_help=True)
+db_app = typer.Typer(help="Database schema.", no_args_is_help=True)
+app.add_typer(pool_app, name="pool")
+app.add_typer(db_app, name="db")
+console = Console(stderr=True)
+EXTRA = {"allow_extra_args": True, "ignore_unknown_options": True}
+
+
+def _config(cls, args: list[str]):
+    try:
+        return load_config(cls, args)
+    except ConfigError as exc:
+        console.print(f"[red]config error:[/red] {exc}")
+        raise typer.Exit(2) from exc
+
+
+@app.command(context_settings=EXTRA)
+def serve(ctx: typer.Context) -> None:
+    """Run the scheduler of one pool.
+
+    Example: prime-scheduler serve @ configs/pools/demo.toml --server.port 7000
+    """
+    from scheduler.config import SchedulerConfig
+    from scheduler.pool import PoolError
+    from scheduler.server import run
+
+    cfg = _config(SchedulerConfig, ctx.args)
+    setup_logging()
+    write_resolved(cfg, cfg.log_dir / "scheduler.toml")
+    try:
+        run(cfg)
+    except PoolError as exc:
+        console.print(f"[red]{exc}[/red]")
+        raise typer.Exit(2) from exc
+
+
+@pool_app.command("create", context_settings=EXTRA)
+def pool_create(ctx: typer.Context) -> None:
+    """Write a pool config signed by the owner key (and a scheduler config next to it).
+
+    Example: prime-scheduler pool create --pool-id demo --trainer trainer.key
+    @ configs/verification/tiny-torch-cpu-fp32.toml --admission.mode invite
+    """
+    import tomli_w
+
+    from protocol.identity import Identity
+    from protocol.messages import PoolConfig
+    from scheduler.config import PoolCreateConfig
+    from scheduler.pool import write_pool
+
+    cfg = _config(PoolCreateConfig, ctx.args)
+    owner = Identity.load_or_create(cfg.owner_key.expanduser())
+    pool = PoolConfig(
+        pool_id=cfg.pool_id,
+        model=cfg.model,
+        trainer_public_key=cfg.trainer_public_key(),
+        admission=cfg.admission,
+        verification=cfg.verification,
+        reputation=cfg.reputation,
+        async_level=cfg.async_level,
+    )
+    out = cfg.out or Path("configs/pools") / f"{cfg.pool_id}.pool"
+    write_pool(out, owner, pool)
+    serve_cfg = out.with_suffix(".toml")
+    if not serve_cfg.exists():
+        serve_cfg.write_text(
+            f"# Scheduler of pool {cfg.pool_id}: prime-scheduler serve @ {serve_cfg}\n"
+            + tomli_w.dumps(
+                {
+                    "pool_file": str(out),
+                    "key_file": f"runs/{cfg.pool_id}/scheduler.key",
+                    "log_dir": f"runs/{cfg.pool_id}/logs",
+                    "database": {"url": f"sqlite+aiosqlite:///runs/{cfg.pool_id}/scheduler.db"},
+                    "server": {"port": cfg.port},
+                }
+            )
+        )
+    console.print(f"pool [bold]{cfg.pool_id}[/bold] signed by owner {owner.node_id}")
+    print(out)
+
+
+@pool_app.command("invite")
+def pool_invite(
+    pool_file: Path = typer.Option(..., help="The signed pool file."),
+    owner_key: Path = typer.Option(Path("~/.prime-swarm/owner.key"), help="Owner key file."),
+    ttl_h: float = typer.Option(24.0, help="Hours the invite stays valid."),
+    node_id: str = typer.Option("", help="Bind the invite to this node id ('' = anyone)."),
+) -> None:
+    """Print a single-use invite token for an invite-only pool."""
+    from protocol.identity import Identity
+    from scheduler.pool import PoolError, make_invite, read_pool
+
+    try:
+        pool = read_pool(pool_file)
+    except (PoolError, OSError) as exc:
+        console.print(f"[red]{exc}[/red]")
+        raise typer.Exit(2) from exc
+    owner = Identity.load_or_create(owner_key.expanduser())
+    if owner.public_key != pool.owner_key:
+        console.print(f"[red]{owner_key} is not the owner key of pool {pool.config.pool_id}[/red]")
+        raise typer.Exit(2)
+    print(make_invite(owner, pool.config.pool_id, ttl_h * 3600, node_id))
+
+
+@db_app.command("upgrade")
+def db_upgrade(
+    url: str = typer.Option(..., help="Database URL (sqlite+aiosqlite:///... or postgresql+asyncpg://...)."),
+) -> None:
+    """Apply the schema migrations (the daemon also does this at start)."""
+    import asyncio
+
+    from scheduler import db
+
+    async def go() -> None:
+        engine = db.create_engine(url)
+        await db.migrate(engine, url)
+        await engine.dispose()
+
+    asyncio.run(go())
+    print("schema is at the newest migration")
 
 
 @app.command()

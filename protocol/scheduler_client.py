@@ -1,0 +1,87 @@
+"""The orchestrator's client of a pool scheduler: submit rollout requests, read the results
+stream, publish weights. Everything it sends is signed by the trainer key.
+
+Invariants: `submit` is idempotent per request id (resubmitting after a crash or a
+timeout cannot create a second request); `stream` yields each result once, in seq
+order, and resumes from any cursor the caller kept (pass the last seq you processed).
+A saturated pool (503) is retried after its Retry-After; other errors raise `RemoteError`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Sequence
+
+import aiohttp
+
+from protocol.client import RemoteError, call
+from protocol.envelope import seal
+from protocol.identity import Identity
+from protocol.messages import (
+    ResultsPage,
+    ResultsQuery,
+    RolloutResult,
+    RolloutSpec,
+    SubmitAck,
+    SubmitRollouts,
+    WeightUpdate,
+)
+
+
+class SchedulerClient:
+    def __init__(self, url: str, identity: Identity, pool_id: str, timeout_s: float = 120.0):
+        self.url = url.rstrip("/")
+        self.identity = identity
+        self.pool_id = pool_id
+        self.session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=timeout_s))
+
+    async def close(self) -> None:
+        await self.session.close()
+
+    async def __aenter__(self) -> SchedulerClient:
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        await self.close()
+
+    async def submit(self, specs: Sequence[RolloutSpec], max_wait_s: float = 300.0) -> SubmitAck:
+        """Submit a batch (durable when this returns); waits out backpressure up to max_wait_s."""
+        msg = SubmitRollouts(pool_id=self.pool_id, requests=list(specs))
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + max_wait_s
+        while True:
+            try:
+                opened, _ = await call(
+                    self.session, f"{self.url}/v1/rollouts/submit", self.identity, msg, SubmitAck
+                )
+                return opened.message
+            except RemoteError as exc:
+                if exc.status != 503 or loop.time() > deadline:
+                    raise
+                await asyncio.sleep(1.0)
+
+    async def results(self, after: int = 0, limit: int = 500, wait_s: float = 0.0) -> ResultsPage:
+        q = ResultsQuery(after=after, limit=limit, wait_s=wait_s)
+        opened, _ = await call(
+            self.session, f"{self.url}/v1/rollouts/results", self.identity, q, ResultsPage
+        )
+        return opened.message
+
+    async def stream(self, after: int = 0, wait_s: float = 10.0) -> AsyncIterator[RolloutResult]:
+        """Results after `after`, forever (long-polling); the caller breaks out."""
+        while True:
+            page = await self.results(after, wait_s=wait_s)
+            for r in page.results:
+                yield r
+            after = page.last_seq
+
+    async def publish_weights(self, update: WeightUpdate) -> int:
+        async with self.session.post(
+            f"{self.url}/v1/weights",
+            data=seal(self.identity, update),
+            headers={"Content-Type": "application/msgpack"},
+        ) as resp:
+            body = await resp.json()
+            if resp.status >= 300:
+                raise RemoteError(resp.status, body.get("error", {}).get("message", str(body)))
+            return int(body["weights_version"])

@@ -1,0 +1,658 @@
+"""Dispatch: every open request goes to a generator, its rollout to a verifier (and a judge
+after a rejection), and its outcome into the results stream exactly once.
+
+A `Job` is one open request. Its life: queued -> generating on node A -> (spot check) ->
+verifying on node B -> accepted: released; or rejected: a dispute judged by node C ->
+B overturned: released (B loses reputation); A wrong: A loses reputation and the job is
+queued again for another generator. Any failure of a node (connection, timeout, 5xx,
+death) sends the job elsewhere; after `max_attempts` generations it is released as failed.
+
+Invariants:
+- A job is released (a `results` row) at most once: `results.request_id` is unique and a
+  job leaves `jobs` before its release is written. The orchestrator sees a result only
+  after its row committed.
+- Nothing is released from a banned generator, and nothing unverified unless the pool's
+  spot-check rate says so.
+- Every verdict received is written to the audit table with the generator's signed
+  rollout and the verifier's signed verdict.
+- Restart: every request without a result is re-dispatched (or, for an OpenAI-endpoint
+  call whose rollout was stored, re-verified), so a scheduler crash loses nothing.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import random
+import secrets
+import time
+from collections import deque
+from collections.abc import Awaitable
+from dataclasses import dataclass, field
+from typing import Literal
+
+import aiohttp
+import msgpack
+from sqlalchemy import select
+from sqlalchemy.ext.asyncio import AsyncEngine
+
+from protocol.client import RemoteError, post_raw
+from protocol.codec import CodecError, decode, encode
+from protocol.envelope import EnvelopeError, open_envelope, seal
+from protocol.identity import Identity
+from protocol.messages import (
+    MAX_SEED,
+    Rollout,
+    RolloutRequest,
+    RolloutSpec,
+    Verdict,
+    VerifyRequest,
+)
+from scheduler import db
+from scheduler.config import DispatchConfig
+from scheduler.metrics import SchedulerMetrics
+from scheduler.pool import SignedPool
+from scheduler.registry import NodeRecord, Registry
+
+log = logging.getLogger("prime.scheduler.dispatch")
+Source = Literal["dispatch", "openai"]
+
+
+class Saturated(Exception):
+    """The pool has more queued work than it accepts; retry later."""
+
+
+class NodeFailed(Exception):
+    """A node did not do what was asked (down, timeout, error, malformed answer)."""
+
+
+class Cheated(Exception):
+    """A node signed something that contradicts what it was asked: proof of dishonesty."""
+
+
+def new_seed() -> int:
+    return secrets.randbits(63) & MAX_SEED
+
+
+@dataclass
+class Job:
+    request_id: str
+    source: Source
+    spec: RolloutSpec
+    seed: int
+    submitted_at: float
+    queued_at: float = field(default_factory=time.monotonic)
+    attempts: int = 0
+    tried: set[str] = field(default_factory=set)
+    rollout_envelope: bytes | None = None
+    task: asyncio.Task | None = None
+
+    @property
+    def est_tokens(self) -> int:
+        return len(self.spec.prompt_ids) + self.spec.sampling.max_tokens
+
+    def request(self, pool_id: str, proof) -> RolloutRequest:
+        return RolloutRequest(
+            request_id=self.request_id,
+            pool_id=pool_id,
+            prompt_ids=self.spec.prompt_ids,
+            sampling=self.spec.sampling,
+            seed=self.seed,
+            min_version=self.spec.min_version,
+            proof=proof,
+        )
+
+
+@dataclass
+class Judged:
+    node: NodeRecord
+    verdict: Verdict
+    envelope: bytes
+
+
+class Dispatcher:
+    def __init__(
+        self,
+        pool: SignedPool,
+        identity: Identity,
+        registry: Registry,
+        engine: AsyncEngine,
+        writer: db.Writer,
+        cfg: DispatchConfig,
+        metrics: SchedulerMetrics,
+    ):
+        self.pool = pool
+        self.pool_id = pool.config.pool_id
+        self.identity = identity
+        self.registry = registry
+        self.engine = engine
+        self.writer = writer
+        self.cfg = cfg
+        self.metrics = metrics
+        self.jobs: dict[str, Job] = {}
+        self.queue: deque[Job] = deque()
+        self.seq = 0
+        self.wake = asyncio.Event()
+        self.released = asyncio.Condition()
+        self.node_tasks: dict[str, set[asyncio.Task]] = {}
+        self.session: aiohttp.ClientSession | None = None
+        self._loop_task: asyncio.Task | None = None
+        self.upsert_node = db.upsert_stmt(engine, db.nodes)
+        self.totals = {
+            "submitted": 0,
+            "accepted": 0,
+            "failed": 0,
+            "verifications": 0,
+            "rejections": 0,
+            "disputes": 0,
+            "banned": 0,
+        }
+        self.recent_verdicts: deque[dict] = deque(maxlen=50)
+
+    # -- lifecycle -------------------------------------------------------------------
+    async def start(self) -> None:
+        self.session = aiohttp.ClientSession(
+            connector=aiohttp.TCPConnector(limit=0, limit_per_host=0, keepalive_timeout=60),
+        )
+        async with self.engine.connect() as conn:
+            self.seq = await db.max_seq(conn)
+            open_rows = (
+                await conn.execute(
+                    select(db.requests).where(
+                        db.requests.c.request_id.not_in(select(db.results.c.request_id))
+                    )
+                )
+            ).all()
+        for row in open_rows:
+            job = Job(
+                row.request_id, row.source, decode(row.spec, RolloutSpec), row.seed, row.submitted_at
+            )
+            job.rollout_envelope = row.rollout_envelope
+            self.jobs[job.request_id] = job
+            if job.source == "dispatch":
+                self.queue.append(job)
+            elif job.rollout_envelope is not None:
+                self._spawn(job, self._reverify_stored(job))
+            else:
+                self._spawn(job, self._release(job, "failed", "scheduler restarted mid-call"))
+        if open_rows:
+            log.info("recovered %d open requests after a restart", len(open_rows))
+        self._loop_task = asyncio.create_task(self._dispatch_loop(), name="dispatch")
+
+    async def stop(self) -> None:
+        tasks = [t for t in (self._loop_task, *(j.task for j in self.jobs.values())) if t]
+        for t in tasks:
+            t.cancel()
+        for t in tasks:
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await t
+        if self.session is not None:
+            await self.session.close()
+
+    def _spawn(self, job: Job, coro: Awaitable) -> None:
+        job.task = asyncio.create_task(self._guard(job, coro), name=f"job-{job.request_id}")
+
+    async def _guard(self, job: Job, coro: Awaitable) -> None:
+        try:
+            await coro
+        except asyncio.CancelledError:
+            raise
+        except Exception:  # noqa: BLE001 - a bug must not strand a request
+            log.exception("job %s crashed; re-dispatching it", job.request_id)
+            self._requeue(job, "internal error")
+
+    # -- submission ------------------------------------------------------------------
+    async def submit(self, specs: list[RolloutSpec]) -> tuple[int, int]:
+        """Store new requests durably and queue them; known ids are ignored."""
+        if len(self.queue) + len(specs) > self.cfg.max_queued:
+            raise Saturated(
+                f"pool is saturated: {len(self.queue)} requests queued "
+                f"(limit {self.cfg.max_queued}); retry later"
+            )
+        ids = [s.request_id for s in specs]
+        if len(set(ids)) != len(ids):
+            raise ValueError("duplicate request_id within one batch")
+        async with self.engine.connect() as conn:
+            known = set(
+                (
+                    await conn.execute(
+                        select(db.requests.c.request_id).where(db.requests.c.request_id.in_(ids))
+                    )
+                ).scalars()
+            )
+        now = time.time()
+        fresh = [
+            Job(s.request_id, "dispatch", s, new_seed(), now)
+            for s in specs
+            if s.request_id not in known
+        ]
+        if fresh:
+            stmt = db.insert_ignoring_duplicates(self.engine, db.requests)
+            await asyncio.gather(
+                *self.writer.write_many(
+                    stmt,
+                    (
+                        {
+                            "request_id": j.request_id,
+                            "source": "dispatch",
+                            "spec": encode(j.spec),
+                            "seed": j.seed,
+                            "submitted_at": j.submitted_at,
+                            "rollout_envelope": None,
+                        }
+                        for j in fresh
+                    ),
+                )
+            )
+        for job in fresh:
+            if job.request_id in self.jobs:  # a concurrent submit of the same id won
+                continue
+            self.jobs[job.request_id] = job
+            self.queue.append(job)
+        self.totals["submitted"] += len(fresh)
+        self.metrics.requests_submitted_total.inc(len(fresh))
+        self.metrics.queue_depth.set(len(self.queue))
+        self.wake.set()
+        return len(fresh), len(specs) - len(fresh)
+
+    # -- the dispatch loop -----------------------------------------------------------
+    def kick(self) -> None:
+        """Capacity or nodes changed: look at the queue again."""
+        self.wake.set()
+
+    async def _dispatch_loop(self) -> None:
+        while True:
+            await self.wake.wait()
+            self.wake.clear()
+            self._dispatch_ready()
+
+    def _dispatch_ready(self) -> None:
+        waiting: deque[Job] = deque()
+        scanned = 0
+        while self.queue:
+            job = self.queue.popleft()
+            node = self.registry.pick_generator(job.spec.min_version, job.tried)
+            if node is None:
+                waiting.append(job)
+                scanned += 1
+                # Without any free node, nothing further down the queue can go either.
+                if scanned >= 256 or self.registry.pick_generator(0) is None:
+                    break
+                continue
+            self._spawn(job, self._run_job(job, node))
+        waiting.extend(self.queue)
+        self.queue = waiting
+        self.metrics.queue_depth.set(len(self.queue))
+
+    def _requeue(self, job: Job, why: str) -> None:
+        if job.request_id not in self.jobs:
+            return
+        if job.source == "openai":
+            # The answer went to the client already: there is nothing to generate again.
+            self._spawn(job, self._release(job, "failed", why))
+            return
+        if job.attempts >= self.cfg.max_attempts:
+            self._spawn(
+                job, self._release(job, "failed", f"gave up after {job.attempts} attempts: {why}")
+            )
+            return
+        log.info("re-dispatching %s: %s", job.request_id, why)
+        self.metrics.dispatch_retries_total.inc()
+        job.queued_at = time.monotonic()
+        self.queue.appendleft(job)
+        self.kick()
+
+    # -- talking to nodes ------------------------------------------------------------
+    async def _call(
+        self, node: NodeRecord, route: str, body: bytes, timeout_s: float
+    ) -> bytes:
+        """POST to a node; a node death (see `node_died`) cancels the call."""
+        assert self.session is not None
+        task = asyncio.create_task(post_raw(self.session, node.http_url + route, body))
+        self.node_tasks.setdefault(node.node_id, set()).add(task)
+        node.in_flight += 1
+        try:
+            done, _ = await asyncio.wait({task}, timeout=timeout_s)
+            if not done:
+                task.cancel()
+                raise NodeFailed(f"{node.label} did not answer {route} within {timeout_s:.0f} s")
+            if task.cancelled():
+                raise NodeFailed(f"{node.label} died during {route}")
+            exc = task.exception()
+            if isinstance(exc, RemoteError):
+                raise NodeFailed(f"{node.label} answered {route} with {exc}")
+            if exc is not None:
+                self._note_failure(node)
+                raise NodeFailed(f"{node.label} unreachable for {route}: {exc!r}")
+            node.failures = 0
+            return task.result()
+        finally:
+            node.in_flight -= 1
+            self.node_tasks[node.node_id].discard(task)
+            self.kick()
+
+    def _note_failure(self, node: NodeRecord) -> None:
+        node.failures += 1
+        if node.failures >= 3 and node.state == "healthy":
+            node.state = "unhealthy"
+            log.warning("%s failed 3 calls in a row: unhealthy until it heartbeats", node.label)
+
+    def node_died(self, node: NodeRecord) -> None:
+        """Cancel every call in flight to a dead node; their jobs go elsewhere."""
+        for task in list(self.node_tasks.get(node.node_id, ())):
+            task.cancel()
+
+    # -- one job ---------------------------------------------------------------------
+    async def _run_job(self, job: Job, gen: NodeRecord) -> None:
+        job.attempts += 1
+        self.metrics.dispatch_latency_seconds.observe(time.monotonic() - job.queued_at)
+        request = job.request(self.pool_id, self.pool.config.verification.proof)
+        gen.outstanding_tokens += job.est_tokens
+        try:
+            raw = await self._call(
+                gen, "/v1/rollouts", seal(self.identity, request), self.cfg.generate_timeout_s
+            )
+            rollout = self._check_rollout(raw, gen, request)
+        except NodeFailed as exc:
+            job.tried.add(gen.node_id)
+            self._requeue(job, str(exc))
+            return
+        except Cheated as exc:
+            job.tried.add(gen.node_id)
+            self._punish(gen, f"signed a rollout that contradicts its request: {exc}")
+            self._requeue(job, f"{gen.label} cheated: {exc}")
+            return
+        finally:
+            gen.outstanding_tokens -= job.est_tokens
+        gen.generated += 1
+        gen.tokens += len(rollout.completion_ids)
+        gen.first_work = gen.first_work or time.time()
+        await self._verify_and_release(job, gen, rollout, raw, request)
+
+    def _check_rollout(self, raw: bytes, gen: NodeRecord, request: RolloutRequest) -> Rollout:
+        """Cheap checks the scheduler can make itself before anyone spends a prefill."""
+        try:
+            opened = open_envelope(raw, Rollout, check_expiry=False)
+        except (EnvelopeError, CodecError, ValueError) as exc:
+            raise NodeFailed(f"{gen.label} sent an unreadable rollout: {exc}") from exc
+        if opened.sender != gen.public_key:
+            raise NodeFailed(f"rollout from {gen.label} is signed by {opened.sender_id}")
+        r = opened.message
+        mismatches = [
+            name
+            for name, ok in (
+                ("request_id", r.request_id == request.request_id),
+                ("node_id", r.node_id == gen.node_id),
+                ("seed", r.seed == request.seed),
+                ("sampling", r.sampling == request.sampling),
+                ("prompt", r.prompt_ids == request.prompt_ids),
+                ("min_version", r.weights_version >= request.min_version),
+                ("proof layout", r.proof_params == request.proof),
+            )
+            if not ok
+        ]
+        if mismatches:
+            raise Cheated(", ".join(mismatches))
+        return r
+
+    async def _verify_and_release(
+        self,
+        job: Job,
+        gen: NodeRecord,
+        rollout: Rollout,
+        raw: bytes,
+        request: RolloutRequest | None,
+    ) -> None:
+        if random.random() >= self.pool.config.verification.spot_check_rate:
+            await self._release(
+                job, "accepted", "unverified (spot check)", raw, [], rollout, gen.node_id
+            )
+            return
+        first = await self._judge("verify", rollout, raw, request, exclude=[gen])
+        if first is None:
+            self._give_up_verification(job, gen, "no eligible verifier")
+            return
+        if first.verdict.accepted:
+            self.registry.reward(gen)
+            self.registry.reward(first.node)
+            await self._release(
+                job, "accepted", "", raw, [first.envelope], rollout, gen.node_id, gen
+            )
+            return
+        self.totals["disputes"] += 1
+        judge = await self._judge("dispute", rollout, raw, request, exclude=[gen, first.node])
+        if judge is None:
+            # Nobody can settle it: punish no one, trust nothing from this rollout.
+            self._give_up_verification(job, gen, "rejected, and no judge for the dispute")
+            return
+        if judge.verdict.accepted:
+            self.metrics.observe_dispute("verifier")
+            self._punish(first.node, "lost a dispute: rejected an honest rollout")
+            self.registry.reward(gen)
+            await self._release(
+                job,
+                "accepted",
+                "",
+                raw,
+                [first.envelope, judge.envelope],
+                rollout,
+                gen.node_id,
+                gen,
+            )
+        else:
+            self.metrics.observe_dispute("generator")
+            self.registry.reward(first.node)
+            job.tried.add(gen.node_id)
+            self._punish(gen, "lost a dispute: its rollout was rejected by two verifiers")
+            if job.source == "openai":
+                await self._release(
+                    job,
+                    "rejected",
+                    "; ".join(judge.verdict.reasons),
+                    raw,
+                    [first.envelope, judge.envelope],
+                    rollout,
+                    gen.node_id,
+                )
+            else:
+                self._requeue(job, f"rollout from {gen.label} rejected in a dispute")
+
+    def _give_up_verification(self, job: Job, gen: NodeRecord, why: str) -> None:
+        job.tried.add(gen.node_id)
+        if job.source == "openai":
+            self._spawn(job, self._release(job, "failed", why))
+        else:
+            self._requeue(job, why)
+
+    async def _judge(
+        self,
+        kind: Literal["verify", "dispute"],
+        rollout: Rollout,
+        raw: bytes,
+        request: RolloutRequest | None,
+        exclude: list[NodeRecord],
+    ) -> Judged | None:
+        """A verdict from an eligible node, retrying others on failure; None on timeout."""
+        body = VerifyRequest(
+            rollout_envelope=raw, expected_weights_hash=rollout.weights_hash, request=request
+        )
+        deadline = time.monotonic() + self.cfg.verifier_wait_s
+        tried: set[str] = set()
+        while time.monotonic() < deadline:
+            node = self.registry.pick_verifier(rollout.weights_hash, exclude, tried)
+            if node is None:
+                await asyncio.sleep(0.2)
+                continue
+            try:
+                envelope = await self._call(
+                    node, "/v1/verify", seal(self.identity, body), self.cfg.verify_timeout_s
+                )
+                opened = open_envelope(envelope, Verdict, check_expiry=False)
+            except (NodeFailed, EnvelopeError, CodecError, ValueError) as exc:
+                log.info("verifier %s failed: %s", node.label, exc)
+                tried.add(node.node_id)
+                continue
+            v = opened.message
+            if (
+                opened.sender != node.public_key
+                or v.request_id != rollout.request_id
+                or v.rollout_digest != rollout.digest()
+                or v.generator_id != rollout.node_id
+            ):
+                log.warning("verifier %s sent a verdict about something else", node.label)
+                tried.add(node.node_id)
+                continue
+            self._record_verdict(kind, rollout, raw, node, v, envelope)
+            return Judged(node, v, envelope)
+        return None
+
+    def _record_verdict(
+        self, kind: str, rollout: Rollout, raw: bytes, node: NodeRecord, v: Verdict, env: bytes
+    ) -> None:
+        node.verified += 1
+        self.totals["verifications"] += 1
+        if not v.accepted:
+            self.totals["rejections"] += 1
+        self.metrics.observe_verdict(v.accepted)
+        gen = self.registry.get(rollout.node_id)
+        if gen is not None:
+            if v.accepted:
+                gen.accepted += 1
+            else:
+                gen.rejected += 1
+        now = time.time()
+        self.writer.write(
+            db.verdicts.insert(),
+            {
+                "request_id": rollout.request_id,
+                "kind": kind,
+                "generator_id": rollout.node_id,
+                "verifier_id": node.node_id,
+                "accepted": v.accepted,
+                "reasons": "; ".join(v.reasons),
+                "rollout_envelope": raw,
+                "verdict_envelope": env,
+                "created_at": now,
+            },
+        )
+        self.recent_verdicts.appendleft(
+            {
+                "time": now,
+                "request_id": rollout.request_id,
+                "generator_id": rollout.node_id,
+                "verifier_id": node.node_id,
+                "accepted": v.accepted,
+                "kind": kind,
+                "reasons": v.reasons,
+            }
+        )
+
+    def _punish(self, node: NodeRecord, reason: str) -> None:
+        banned = self.registry.penalize(node, reason)
+        log.warning("%s loses reputation (now %.2f): %s", node.label, node.reputation, reason)
+        if banned:
+            self.totals["banned"] += 1
+            self.metrics.bans_total.inc()
+            log.warning("%s is BANNED: %s", node.label, reason)
+            self.node_died(node)
+        self.persist_node(node)
+
+    def persist_node(self, node: NodeRecord) -> asyncio.Future:
+        return self.writer.write(self.upsert_node, node.row(self.pool_id))
+
+    # -- release ---------------------------------------------------------------------
+    async def _release(
+        self,
+        job: Job,
+        status: Literal["accepted", "rejected", "failed"],
+        detail: str,
+        raw: bytes = b"",
+        verdict_envelopes: list[bytes] | None = None,
+        rollout: Rollout | None = None,
+        generator_id: str = "",
+        gen: NodeRecord | None = None,
+    ) -> None:
+        if gen is not None and gen.state == "banned":
+            # Banned while its rollout was being checked: release nothing from it.
+            job.tried.add(gen.node_id)
+            self._requeue(job, f"{gen.label} was banned")
+            return
+        if self.jobs.pop(job.request_id, None) is None:
+            return
+        self.seq += 1
+        row = {
+            "seq": self.seq,
+            "request_id": job.request_id,
+            "source": job.source,
+            "status": status,
+            "detail": detail,
+            "weights_version": rollout.weights_version if rollout else 0,
+            "generator_id": generator_id,
+            "rollout_envelope": raw,
+            "verdict_envelopes": msgpack.packb(verdict_envelopes or []),
+            "released_at": time.time(),
+        }
+        try:
+            await self.writer.write(db.results.insert(), row)
+        except Exception as exc:  # noqa: BLE001 - the job must not be lost
+            log.error("could not store the result of %s (%s); will retry", job.request_id, exc)
+            self.jobs[job.request_id] = job
+            await asyncio.sleep(1.0)
+            self._requeue(job, "result write failed")
+            return
+        self.totals["accepted" if status != "failed" else "failed"] += 1
+        self.metrics.observe_release(status, job.submitted_at, row["released_at"])
+        async with self.released:
+            self.released.notify_all()
+
+    async def _reverify_stored(self, job: Job) -> None:
+        assert job.rollout_envelope is not None
+        opened = open_envelope(job.rollout_envelope, Rollout, check_expiry=False)
+        gen = self.registry.get(opened.sender_id)
+        if gen is None:
+            await self._release(job, "failed", "generator unknown after restart")
+            return
+        await self._verify_and_release(job, gen, opened.message, job.rollout_envelope, None)
+
+    async def results_after(self, after: int, limit: int, wait_s: float) -> list:
+        async def fetch() -> list:
+            async with self.engine.connect() as conn:
+                return (
+                    await conn.execute(
+                        select(db.results)
+                        .where(db.results.c.seq > after)
+                        .order_by(db.results.c.seq)
+                        .limit(limit)
+                    )
+                ).all()
+
+        rows = await fetch()
+        if rows or wait_s <= 0:
+            return rows
+        with contextlib.suppress(TimeoutError):
+            async with self.released:
+                await asyncio.wait_for(self.released.wait(), wait_s)
+        return await fetch()
+
+    # -- OpenAI-endpoint calls -------------------------------------------------------
+    async def adopt_openai(
+        self, request_id: str, spec: RolloutSpec, seed: int, raw: bytes, gen: NodeRecord
+    ) -> None:
+        """Store an OpenAI-endpoint rollout durably and verify it behind the answer."""
+        job = Job(request_id, "openai", spec, seed, time.time(), rollout_envelope=raw)
+        await self.writer.write(
+            db.insert_ignoring_duplicates(self.engine, db.requests),
+            {
+                "request_id": request_id,
+                "source": "openai",
+                "spec": encode(spec),
+                "seed": seed,
+                "submitted_at": job.submitted_at,
+                "rollout_envelope": raw,
+            },
+        )
+        self.jobs[request_id] = job
+        self.totals["submitted"] += 1
+        rollout = open_envelope(raw, Rollout, check_expiry=False).message
+        self._spawn(job, self._verify_and_release(job, gen, rollout, raw, None))

@@ -1,0 +1,172 @@
+"""The nodes of a pool: lifecycle, reputation, and the choice of generators and verifiers.
+
+A `NodeRecord` is the scheduler's in-memory view of one admitted node; the `nodes` table
+is its durable copy (written on every state or reputation change and, in batches, on
+heartbeats). States: registered -> healthy (first heartbeat or work) -> unhealthy (silent
+past `unhealthy_after_s`) -> dead (silent past `dead_after_s`); draining -> left on a clean
+leave; banned (reputation under the pool's threshold) is final.
+
+Invariants:
+- Only `healthy` nodes get new work; a banned node never gets work again, whatever it
+  sends later.
+- A generator is a healthy node with spare capacity whose weights version is at least the
+  request's `min_version`; among those, the one with the fewest outstanding tokens per unit
+  of reputation wins.
+- A verifier (or a dispute's judge) is never the generator, never of the generator's
+  operator (nor of the first verifier's, for a judge), holds exactly the weights the
+  rollout claims, and is picked at random among the eligible (the generator cannot
+  predict it).
+"""
+
+from __future__ import annotations
+
+import secrets
+import time
+from dataclasses import dataclass, field
+
+from protocol.messages import NodeState, ReputationPolicy
+
+_rng = secrets.SystemRandom()
+
+
+@dataclass
+class NodeRecord:
+    node_id: str
+    public_key: bytes
+    operator: str
+    http_url: str
+    address: str
+    engine: str
+    model: str
+    capacity: int
+    state: NodeState
+    reputation: float
+    weights_version: int
+    weights_hash: str
+    registered_at: float
+    last_seen: float
+    reason: str = ""
+    # Volatile (not persisted): load and counters for balancing and the dashboard.
+    in_flight: int = 0
+    failures: int = 0
+    outstanding_tokens: int = 0
+    stats: dict[str, int] = field(default_factory=dict)
+    generated: int = 0
+    tokens: int = 0
+    verified: int = 0
+    accepted: int = 0
+    rejected: int = 0
+    first_work: float = 0.0
+
+    @property
+    def label(self) -> str:
+        return self.operator or self.node_id
+
+    def row(self, pool_id: str) -> dict:
+        return {
+            "node_id": self.node_id,
+            "pool_id": pool_id,
+            "public_key": self.public_key,
+            "operator": self.operator,
+            "http_url": self.http_url,
+            "address": self.address,
+            "engine": self.engine,
+            "model": self.model,
+            "capacity": self.capacity,
+            "state": self.state,
+            "reputation": self.reputation,
+            "weights_version": self.weights_version,
+            "weights_hash": self.weights_hash,
+            "registered_at": self.registered_at,
+            "last_seen": self.last_seen,
+            "reason": self.reason,
+        }
+
+    def tokens_per_s(self, now: float) -> float:
+        return self.tokens / (now - self.first_work) if self.first_work and self.tokens else 0.0
+
+
+class Registry:
+    """All nodes of the pool, by id."""
+
+    def __init__(self, policy: ReputationPolicy):
+        self.policy = policy
+        self.nodes: dict[str, NodeRecord] = {}
+
+    def get(self, node_id: str) -> NodeRecord | None:
+        return self.nodes.get(node_id)
+
+    def add(self, node: NodeRecord) -> None:
+        self.nodes[node.node_id] = node
+
+    def counts(self) -> dict[str, int]:
+        out: dict[str, int] = {}
+        for n in self.nodes.values():
+            out[n.state] = out.get(n.state, 0) + 1
+        return out
+
+    # -- lifecycle -------------------------------------------------------------------
+    def seen(self, node: NodeRecord, now: float | None = None) -> None:
+        node.last_seen = now or time.time()
+        if node.state in ("registered", "unhealthy"):
+            node.state = "healthy"
+
+    def sweep(self, now: float, unhealthy_after: float, dead_after: float) -> list[NodeRecord]:
+        """Apply missed-heartbeat transitions; return the nodes whose state changed."""
+        changed = []
+        for n in self.nodes.values():
+            silent = now - n.last_seen
+            if n.state in ("registered", "healthy", "draining") and silent > unhealthy_after:
+                n.state = "unhealthy"
+                changed.append(n)
+            if n.state == "unhealthy" and silent > dead_after:
+                n.state = "dead"
+                changed.append(n)
+        return changed
+
+    # -- reputation ------------------------------------------------------------------
+    def reward(self, node: NodeRecord) -> None:
+        node.reputation = min(1.0, node.reputation + self.policy.reward_accepted)
+
+    def penalize(self, node: NodeRecord, reason: str) -> bool:
+        """Lower a node's reputation; ban it under the threshold. True if it was just banned."""
+        node.reputation = max(0.0, node.reputation - self.policy.penalty_lost_dispute)
+        if node.state != "banned" and node.reputation < self.policy.ban_below:
+            node.state = "banned"
+            node.reason = reason
+            return True
+        return False
+
+    # -- choice ----------------------------------------------------------------------
+    def pick_generator(
+        self, min_version: int, exclude: set[str] | frozenset[str] = frozenset()
+    ) -> NodeRecord | None:
+        best, best_score = None, float("inf")
+        for n in self.nodes.values():
+            if (
+                n.state != "healthy"
+                or n.in_flight >= n.capacity
+                or n.weights_version < min_version
+                or n.node_id in exclude
+            ):
+                continue
+            score = (n.outstanding_tokens + 1) / max(n.reputation, 1e-3)
+            if score < best_score:
+                best, best_score = n, score
+        return best
+
+    def pick_verifier(
+        self, weights_hash: str, exclude: list[NodeRecord], tried: set[str]
+    ) -> NodeRecord | None:
+        ids = {n.node_id for n in exclude} | tried
+        operators = {n.operator for n in exclude if n.operator}
+        eligible = [
+            n
+            for n in self.nodes.values()
+            if n.state == "healthy"
+            and n.node_id not in ids
+            and (not n.operator or n.operator not in operators)
+            and n.weights_hash == weights_hash
+            and n.in_flight < n.capacity
+        ]
+        return _rng.choice(eligible) if eligible else None

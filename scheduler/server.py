@@ -1,0 +1,433 @@
+"""The scheduler daemon's HTTP API (aiohttp) and the lifecycle of the pool's nodes.
+
+Routes (internal bodies are signed msgpack envelopes, see `protocol.envelope`):
+- GET  /health, GET /v1/pool (the owner-signed pool config, untouched)
+- nodes: POST /v1/nodes/register, /v1/nodes/heartbeat, /v1/nodes/deregister
+- orchestrator (trainer key only): POST /v1/rollouts/submit, /v1/rollouts/results,
+  /v1/weights
+- OpenAI-compatible: GET /v1/models, POST /v1/chat/completions, /v1/completions,
+  /tokenize (see `scheduler.openai_proxy`)
+- operators: GET /dashboard, GET /v1/dashboard/state, GET /metrics
+
+Invariants:
+- Every bad input gets a 4xx with a JSON error and one log line; the daemon keeps serving.
+- Every signed route checks signature, expiry and replay (nonce) before anything else,
+  then the sender's rate limit; per-address limits apply to every route.
+- Node state that matters (admission, state, reputation, bans) is written to the database;
+  heartbeats are kept in memory and written in batches.
+- A node silent past `unhealthy_after_s` gets no work; past `dead_after_s` it is dead and
+  its in-flight work is re-dispatched.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from pathlib import Path
+
+from aiohttp import web
+from sqlalchemy import select
+
+from protocol.envelope import ReplayCache, open_envelope, seal
+from protocol.http import MSGPACK, error_middleware, error_response
+from protocol.identity import Identity
+from protocol.messages import (
+    Deregister,
+    Heartbeat,
+    HeartbeatResponse,
+    NodeAck,
+    RegisterRequest,
+    RegisterResponse,
+    ResultsPage,
+    ResultsQuery,
+    RolloutResult,
+    SubmitAck,
+    SubmitRollouts,
+    WeightUpdate,
+)
+from scheduler import db
+from scheduler.admission import Refused, admit
+from scheduler.config import SchedulerConfig
+from scheduler.dashboard import dashboard_routes
+from scheduler.dispatch import Dispatcher, Saturated
+from scheduler.metrics import SchedulerMetrics
+from scheduler.openai_proxy import OpenAIProxy
+from scheduler.pool import read_pool
+from scheduler.ratelimit import RateLimited, RateLimiter
+from scheduler.registry import NodeRecord, Registry
+
+log = logging.getLogger("prime.scheduler")
+SEEN_FLUSH_S = 5.0
+
+
+class SchedulerServer:
+    def __init__(self, cfg: SchedulerConfig, identity: Identity):
+        self.cfg = cfg
+        self.identity = identity
+        self.pool = read_pool(cfg.pool_file)
+        self.pool_id = self.pool.config.pool_id
+        self.trainer_key = self.pool.config.trainer_public_key
+        self.metrics = SchedulerMetrics()
+        self.registry = Registry(self.pool.config.reputation)
+        self.replay = ReplayCache()
+        rl = cfg.rate_limits
+        self.by_identity = RateLimiter(rl.per_identity_per_s, rl.per_identity_burst, "node key")
+        self.by_address = RateLimiter(rl.per_address_per_s, rl.per_address_burst, "address")
+        self.engine = db.create_engine(cfg.database.url)
+        self.writer = db.Writer(self.engine, cfg.database.flush_interval_ms / 1000)
+        self.dispatcher = Dispatcher(
+            self.pool,
+            identity,
+            self.registry,
+            self.engine,
+            self.writer,
+            cfg.dispatch,
+            self.metrics,
+        )
+        self.openai = OpenAIProxy(self.dispatcher, self.registry, cfg.dispatch)
+        self.weights_envelope = b""
+        self.weights_version = 0
+        self._seen_dirty: set[str] = set()
+        self._tasks: list[asyncio.Task] = []
+
+    # -- app -------------------------------------------------------------------------
+    def app(self) -> web.Application:
+        app = web.Application(
+            client_max_size=self.cfg.server.max_body_bytes,
+            middlewares=[
+                self.metrics.error_middleware(),
+                error_middleware(log, {RateLimited: 429, Refused: 403, ValueError: 400}),
+                self._address_limit,
+            ],
+        )
+        app.add_routes(
+            [
+                web.get("/health", self.health),
+                web.get("/v1/pool", self.get_pool),
+                web.post("/v1/nodes/register", self.register),
+                web.post("/v1/nodes/heartbeat", self.heartbeat),
+                web.post("/v1/nodes/deregister", self.deregister),
+                web.post("/v1/rollouts/submit", self.submit),
+                web.post("/v1/rollouts/results", self.results),
+                web.post("/v1/weights", self.weights),
+                *self.openai.routes(),
+                *dashboard_routes(self.dashboard_state),
+                *self.metrics.routes(self._refresh_gauges),
+            ]
+        )
+        app.on_startup.append(self._on_startup)
+        app.on_cleanup.append(self._on_cleanup)
+        return app
+
+    async def _on_startup(self, _app) -> None:
+        await db.migrate(self.engine, self.cfg.database.url)
+        self.writer.start()
+        await self._load_state()
+        await self.dispatcher.start()
+        self.openai.start()
+        self._tasks = [
+            asyncio.create_task(self._monitor(), name="monitor"),
+            asyncio.create_task(self._flush_seen(), name="flush-seen"),
+        ]
+        log.info(
+            "scheduler %s serving pool %s (%d nodes known, weights v%d)",
+            self.identity.node_id,
+            self.pool_id,
+            len(self.registry.nodes),
+            self.weights_version,
+        )
+
+    async def _on_cleanup(self, _app) -> None:
+        for t in self._tasks:
+            t.cancel()
+        for t in self._tasks:
+            with contextlib.suppress(asyncio.CancelledError):
+                await t
+        await self.openai.stop()
+        await self.dispatcher.stop()
+        self._write_seen()
+        await self.writer.stop()
+        await self.engine.dispose()
+
+    async def _load_state(self) -> None:
+        now = time.time()
+        async with self.engine.connect() as conn:
+            rows = (await conn.execute(select(db.nodes))).all()
+            weights = (
+                await conn.execute(select(db.kv.c.value).where(db.kv.c.key == "weights"))
+            ).scalar()
+        for r in rows:
+            node = NodeRecord(**{k: v for k, v in r._mapping.items() if k != "pool_id"})
+            # A restart is not the nodes' fault: give them a fresh heartbeat window.
+            if node.state in ("healthy", "registered", "unhealthy", "draining"):
+                node.last_seen = now
+            self.registry.add(node)
+        if weights:
+            self._set_weights(weights)
+
+    def _set_weights(self, envelope: bytes) -> None:
+        update = open_envelope(envelope, WeightUpdate, check_expiry=False).message
+        self.weights_envelope = envelope
+        self.weights_version = update.version
+
+    # -- middleware and helpers -------------------------------------------------------
+    @web.middleware
+    async def _address_limit(self, request: web.Request, handler):
+        address = request.remote or ""
+        if address not in self.cfg.rate_limits.exempt_addresses:
+            self.by_address.check(address, address)
+        return await handler(request)
+
+    async def _open(self, request: web.Request, model, trusted: set[bytes] | None = None):
+        opened = open_envelope(
+            await request.read(),
+            model,
+            replay_cache=self.replay,
+            trusted_senders=trusted,
+            max_bytes=self.cfg.server.max_body_bytes,
+        )
+        if opened.sender != self.trainer_key:
+            self.by_identity.check(opened.sender, opened.sender_id)
+        return opened
+
+    def _signed(self, message) -> web.Response:
+        return web.Response(body=seal(self.identity, message), content_type=MSGPACK)
+
+    def _node(self, opened) -> NodeRecord:
+        node = self.registry.get(opened.sender_id)
+        if node is None:
+            raise web.HTTPNotFound(text=f"node {opened.sender_id} is not registered: register first")
+        return node
+
+    # -- routes: pool and nodes --------------------------------------------------------
+    async def health(self, _request: web.Request) -> web.Response:
+        return web.json_response(
+            {
+                "status": "ok",
+                "pool_id": self.pool_id,
+                "scheduler_id": self.identity.node_id,
+                "nodes": self.registry.counts(),
+                "queued": len(self.dispatcher.queue),
+                "open_requests": len(self.dispatcher.jobs),
+            }
+        )
+
+    async def get_pool(self, _request: web.Request) -> web.Response:
+        return web.Response(body=self.pool.envelope, content_type=MSGPACK)
+
+    async def register(self, request: web.Request) -> web.Response:
+        opened = await self._open(request, RegisterRequest)
+        req = opened.message
+        node_id = opened.sender_id
+        existing = self.registry.get(node_id)
+        try:
+            await admit(self.engine, self.pool, opened, existing)
+        except Refused as exc:
+            log.warning("registration of %s refused: %s", node_id, exc)
+            return error_response(exc.status, str(exc), "admission_error")
+        now = time.time()
+        node = NodeRecord(
+            node_id=node_id,
+            public_key=opened.sender,
+            operator=req.operator,
+            http_url=req.http_url,
+            address=request.remote or "",
+            engine=req.engine,
+            model=req.model,
+            capacity=req.capacity,
+            state="registered",
+            reputation=existing.reputation if existing else self.pool.config.reputation.initial,
+            weights_version=req.weights_version,
+            weights_hash=req.weights_hash,
+            registered_at=existing.registered_at if existing else now,
+            last_seen=now,
+        )
+        if existing is not None:
+            self.dispatcher.node_died(existing)  # a re-registered node restarted: its calls are gone
+        self.registry.add(node)
+        await self.dispatcher.persist_node(node)
+        log.info("admitted %s (%s) at %s", node_id, req.operator or "no operator", req.http_url)
+        self.dispatcher.kick()
+        return self._signed(
+            RegisterResponse(
+                node_id=node_id,
+                pool_id=self.pool_id,
+                scheduler_id=self.identity.node_id,
+                heartbeat_interval_s=self.cfg.lifecycle.heartbeat_interval_s,
+                weights_envelope=self.weights_envelope,
+            )
+        )
+
+    async def heartbeat(self, request: web.Request) -> web.Response:
+        opened = await self._open(request, Heartbeat)
+        node = self._node(opened)
+        hb = opened.message
+        self.metrics.heartbeats_total.inc()
+        if node.state not in ("banned", "left", "dead"):
+            was = node.state
+            node.weights_version = hb.weights_version
+            node.weights_hash = hb.weights_hash or node.weights_hash
+            node.stats = hb.stats
+            node.failures = 0
+            if node.state != "draining":
+                self.registry.seen(node)
+            else:
+                node.last_seen = time.time()
+            self._seen_dirty.add(node.node_id)
+            if node.state != was:
+                self.dispatcher.kick()
+        elif node.state == "dead":
+            raise web.HTTPNotFound(text="this node was declared dead: register again")
+        behind = node.weights_version < self.weights_version
+        return self._signed(
+            HeartbeatResponse(
+                state=node.state, weights_envelope=self.weights_envelope if behind else b""
+            )
+        )
+
+    async def deregister(self, request: web.Request) -> web.Response:
+        opened = await self._open(request, Deregister)
+        node = self._node(opened)
+        if node.state != "banned":
+            node.state = "draining" if opened.message.stage == "drain" else "left"
+            await self.dispatcher.persist_node(node)
+            log.info("%s is %s", node.label, node.state)
+        if node.state == "left":
+            self.dispatcher.node_died(node)
+        return self._signed(NodeAck(state=node.state, in_flight=node.in_flight))
+
+    # -- routes: orchestrator ----------------------------------------------------------
+    async def submit(self, request: web.Request) -> web.Response:
+        opened = await self._open(request, SubmitRollouts, trusted={self.trainer_key})
+        if opened.message.pool_id != self.pool_id:
+            raise web.HTTPNotFound(text=f"this scheduler runs pool {self.pool_id!r}")
+        try:
+            accepted, duplicates = await self.dispatcher.submit(opened.message.requests)
+        except Saturated as exc:
+            raise web.HTTPServiceUnavailable(text=str(exc), headers={"Retry-After": "1"}) from exc
+        return self._signed(SubmitAck(accepted=accepted, duplicates=duplicates))
+
+    async def results(self, request: web.Request) -> web.Response:
+        q = (await self._open(request, ResultsQuery, trusted={self.trainer_key})).message
+        rows = await self.dispatcher.results_after(q.after, q.limit, q.wait_s)
+        page = [
+            RolloutResult(
+                seq=r.seq,
+                request_id=r.request_id,
+                source=r.source,
+                status=r.status,
+                detail=r.detail,
+                weights_version=r.weights_version,
+                rollout_envelope=r.rollout_envelope,
+                verdict_envelopes=_unpack_list(r.verdict_envelopes),
+            )
+            for r in rows
+        ]
+        return self._signed(ResultsPage(results=page, last_seq=page[-1].seq if page else q.after))
+
+    async def weights(self, request: web.Request) -> web.Response:
+        raw = await request.read()
+        opened = open_envelope(
+            raw,
+            WeightUpdate,
+            replay_cache=self.replay,
+            trusted_senders={self.trainer_key},
+            max_bytes=self.cfg.server.max_body_bytes,
+        )
+        if opened.message.version < self.weights_version:
+            raise web.HTTPConflict(
+                text=f"version {opened.message.version} is older than the pool's {self.weights_version}"
+            )
+        await self.writer.write(
+            db.upsert_stmt(self.engine, db.kv), {"key": "weights", "value": raw}
+        )
+        self._set_weights(raw)
+        log.info("pool weights are now version %d", self.weights_version)
+        return web.json_response({"weights_version": self.weights_version})
+
+    # -- background --------------------------------------------------------------------
+    async def _monitor(self) -> None:
+        lc = self.cfg.lifecycle
+        while True:
+            await asyncio.sleep(lc.check_interval_s)
+            for node in self.registry.sweep(time.time(), lc.unhealthy_after_s, lc.dead_after_s):
+                log.warning("%s is %s (no heartbeat)", node.label, node.state)
+                if node.state == "dead":
+                    self.dispatcher.node_died(node)
+                self.dispatcher.persist_node(node)
+
+    def _write_seen(self) -> None:
+        dirty, self._seen_dirty = self._seen_dirty, set()
+        for node_id in dirty:
+            node = self.registry.get(node_id)
+            if node is not None:
+                self.dispatcher.persist_node(node)
+
+    async def _flush_seen(self) -> None:
+        while True:
+            await asyncio.sleep(SEEN_FLUSH_S)
+            self._write_seen()
+
+    def _refresh_gauges(self) -> None:
+        self.metrics.set_node_states(self.registry.counts())
+        self.metrics.queue_depth.set(len(self.dispatcher.queue))
+        self.metrics.in_flight.set(sum(n.in_flight for n in self.registry.nodes.values()))
+
+    def dashboard_state(self) -> dict:
+        now = time.time()
+        d = self.dispatcher
+        totals = dict(d.totals)
+        totals["queued"] = len(d.queue)
+        totals["in_flight"] = len(d.jobs) - len(d.queue)
+        return {
+            "pool_id": self.pool_id,
+            "scheduler_id": self.identity.node_id,
+            "time": now,
+            "weights_version": self.weights_version,
+            "totals": totals,
+            "nodes": [
+                {
+                    "node_id": n.node_id,
+                    "operator": n.operator,
+                    "state": n.state,
+                    "weights_version": n.weights_version,
+                    "reputation": round(n.reputation, 3),
+                    "in_flight": n.in_flight,
+                    "generated": n.generated,
+                    "tokens_per_s": round(n.tokens_per_s(now), 1),
+                    "verified": n.verified,
+                    "accepted": n.accepted,
+                    "rejected": n.rejected,
+                    "last_seen_s": round(now - n.last_seen, 1),
+                }
+                for n in sorted(self.registry.nodes.values(), key=lambda n: n.registered_at)
+            ],
+            "recent_verdicts": list(d.recent_verdicts),
+        }
+
+
+def _unpack_list(blob: bytes) -> list[bytes]:
+    import msgpack
+
+    return list(msgpack.unpackb(blob)) if blob else []
+
+
+def run(cfg: SchedulerConfig) -> None:
+    identity = Identity.load_or_create(Path(cfg.key_file).expanduser())
+    server = SchedulerServer(cfg, identity)
+    print(
+        f"scheduler {identity.node_id} for pool {server.pool_id} at "
+        f"http://{cfg.server.host}:{cfg.server.port} (dashboard: /dashboard)",
+        flush=True,
+    )
+    web.run_app(
+        server.app(),
+        host=cfg.server.host,
+        port=cfg.server.port,
+        print=None,
+        access_log=None,
+        handle_signals=True,
+    )
+

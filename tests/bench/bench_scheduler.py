@@ -1,0 +1,982 @@
+#!/usr/bin/env python
+"""Scheduler benchmark: dispatch rate and latency at 1,000 nodes, memory, overhead.
+
+Starts real processes on loopback (`protocol.processes.ManagedProcess`): a scheduler
+(`python -m scheduler.cli serve`, SQLite, its pool made with `scheduler.cli pool create`)
+and ONE load-test nodes process (tests/bench/loadtest_nodes.py: `--nodes` fake workers
+with an instant engine that verifies nothing, each with its own key, heartbeating every
+`--heartbeat-s`). This process is the orchestrator: it holds the pool's trainer key.
+
+1. Idle, all nodes heartbeating: scheduler RSS and CPU, heartbeat latency (the load-test
+   process measures it), node states as the scheduler reports them.
+2. Overhead: the same small `RolloutRequest`, sequentially, `--overhead-n` times each,
+   interleaved: sent directly to one load-test node (signed by the trainer key, which the
+   nodes trust for this), directly to one node and then verified by a second one (the same
+   work the scheduler does for a request, without it), and through the scheduler
+   (`SubmitRollouts` of one request, then `ResultsQuery` long-polls until it is released).
+   Ratios of medians: through / direct, through / (direct + verify).
+3. Rate steps: `SubmitRollouts` at a fixed offered rate R (a batch every `--batch-ms`),
+   `--warmup-s` then `--measure-s`, while one long-poll loop reads the results stream.
+   Per request the end-to-end latency is measured here (batch sent -> page with its result
+   received: queue, dispatch, generation, verification, DB commit, release, long-poll).
+   The scheduler's `prime_scheduler_dispatch_latency_seconds` histogram (submit -> sent to
+   a generator) is scraped from /metrics before and after the measured window; p50/p99
+   come from the bucket deltas (linear inside a bucket, as Prometheus's
+   histogram_quantile). A step is *sustained* when the measured window's releases reach
+   95% of R, every request of the window is released (within `--drain-s`) with status
+   accepted, and no submission was refused (503/429). The headline: the highest sustained
+   R whose dispatch p99 (the scheduler's histogram; end-to-end when absent) is < 50 ms.
+   Steps stop after two unsustained ones in a row.
+4. Memory: scheduler RSS (psutil, children included) idle at N nodes and peak under load.
+   CPU % of each process per step (2 cores = 200%): on this box the scheduler, the nodes
+   process and this orchestrator share the cores, so read the rates as a floor.
+
+How to read it: absolute rates belong to this shared 2-core machine; the overhead ratio is
+measured side by side in one run and carries over better. Rate limits are lifted for the
+benchmark (loopback is exempt from the per-address limit): it protects a public scheduler,
+and 1,000 nodes behind one address would trip it by design.
+
+Outputs: rich tables, tests/bench/results/scheduler_cpu.json and .png (stem: --out).
+
+    python tests/bench/bench_scheduler.py                       # 1,000 nodes, full steps
+    python tests/bench/bench_scheduler.py --quick --out /tmp/s  # 100 nodes, two short steps
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import datetime as _dt
+import importlib.metadata
+import json
+import os
+import platform
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+HERE = Path(__file__).resolve().parent
+REPO_ROOT = HERE.parents[1]
+if str(REPO_ROOT) not in sys.path:  # runs from a checkout, installed or not
+    sys.path.insert(0, str(REPO_ROOT))
+
+import aiohttp  # noqa: E402
+import psutil  # noqa: E402
+from rich.console import Console  # noqa: E402
+from rich.table import Table  # noqa: E402
+
+from protocol.client import RemoteError, call  # noqa: E402
+from protocol.envelope import open_envelope  # noqa: E402
+from protocol.identity import Identity  # noqa: E402
+from protocol.messages import (  # noqa: E402
+    PoolConfig,
+    ResultsPage,
+    ResultsQuery,
+    Rollout,
+    RolloutRequest,
+    RolloutSpec,
+    SamplingParams,
+    SubmitAck,
+    SubmitRollouts,
+    Verdict,
+    VerifyRequest,
+)
+from protocol.processes import ManagedProcess, free_port  # noqa: E402
+
+RESULTS_DIR = HERE / "results"
+LOADTEST = HERE / "loadtest_nodes.py"
+P99_TARGET_S = 0.050
+RATE_TARGET = 500.0
+RSS_TARGET_BYTES = 300 * 2**20
+DISPATCH_METRIC = "prime_scheduler_dispatch_latency_seconds"
+E2E_METRIC = "prime_scheduler_end_to_end_seconds"
+VERSIONS_OF = ("aiohttp", "pydantic", "cryptography", "sqlalchemy", "aiosqlite")
+PROMPT = list(range(10, 26))  # 16 prompt tokens
+SAMPLING = SamplingParams(temperature=1.0, max_tokens=8)
+console = Console(width=None if sys.stdout.isatty() else 160)
+
+
+# --- Processes -------------------------------------------------------------------------
+@dataclass
+class Deployment:
+    """The scheduler and load-test node processes of one run, and the trainer identity."""
+
+    workdir: Path
+    trainer: Identity
+    scheduler: ManagedProcess
+    scheduler_url: str
+    nodes: ManagedProcess
+    nodes_url: str
+    pool: PoolConfig
+
+    def stop(self) -> None:
+        self.nodes.stop()
+        self.scheduler.stop()
+
+
+def _run(cmd: list[str], what: str) -> str:
+    res = subprocess.run(cmd, cwd=REPO_ROOT, capture_output=True, text=True, timeout=120)
+    if res.returncode != 0:
+        raise RuntimeError(f"{what} failed ({res.returncode}):\n{res.stdout}\n{res.stderr}")
+    return res.stdout
+
+
+def create_pool(workdir: Path, args: argparse.Namespace) -> tuple[Path, Identity]:
+    """`scheduler.cli pool create`: an open pool whose trainer key this process holds."""
+    owner_key, trainer_key = workdir / "owner.key", workdir / "trainer.key"
+    trainer = Identity.load_or_create(trainer_key)
+    Identity.load_or_create(owner_key)
+    pool_file = workdir / "pool.msgpack"
+    _run(
+        [
+            sys.executable,
+            "-m",
+            "scheduler.cli",
+            "pool",
+            "create",
+            "--pool-id",
+            "bench",
+            "--model",
+            args.model,
+            "--owner-key",
+            str(owner_key),
+            "--trainer",
+            str(trainer_key),
+            "--out",
+            str(pool_file),
+        ],
+        "scheduler.cli pool create",
+    )
+    return pool_file, trainer
+
+
+def start_deployment(workdir: Path, args: argparse.Namespace) -> Deployment:
+    pool_file, trainer = create_pool(workdir, args)
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    console.print(f"starting the scheduler on {url}")
+    scheduler = ManagedProcess.start(
+        "scheduler",
+        [
+            sys.executable,
+            "-m",
+            "scheduler.cli",
+            "serve",
+            "--pool-file",
+            str(pool_file),
+            "--key-file",
+            str(workdir / "scheduler.key"),
+            "--log-dir",
+            str(workdir / "scheduler-logs"),
+            "--database.url",
+            f"sqlite+aiosqlite:///{workdir / 'scheduler.db'}",
+            "--server.port",
+            str(port),
+            "--lifecycle.heartbeat_interval_s",
+            str(args.heartbeat_s),
+            "--lifecycle.unhealthy_after_s",
+            str(args.heartbeat_s * 2.5),
+            "--lifecycle.dead_after_s",
+            str(args.heartbeat_s * 4.5),
+            "--rate_limits.exempt_addresses",
+            '["127.0.0.1"]',
+            *args.scheduler_arg,
+        ],
+        f"{url}/health",
+        workdir / "scheduler.log",
+        cwd=REPO_ROOT,
+        timeout_s=120,
+    )
+    with urllib.request.urlopen(f"{url}/v1/pool", timeout=10) as resp:
+        pool = open_envelope(resp.read(), PoolConfig, check_expiry=False).message
+    nport = free_port()
+    nodes_url = f"http://127.0.0.1:{nport}"
+    console.print(f"starting {args.nodes} load-test nodes on {nodes_url}/n/<i>")
+    t0 = time.perf_counter()
+    try:
+        nodes = ManagedProcess.start(
+            "loadtest-nodes",
+            [
+                sys.executable,
+                str(LOADTEST),
+                "--scheduler",
+                url,
+                "--nodes",
+                str(args.nodes),
+                "--port",
+                str(nport),
+                "--heartbeat-s",
+                str(args.heartbeat_s),
+                "--trusted-key",
+                trainer.node_id,
+                "--completion-tokens",
+                str(SAMPLING.max_tokens),
+            ],
+            f"{nodes_url}/ready",
+            workdir / "loadtest-nodes.log",
+            cwd=REPO_ROOT,
+            timeout_s=600,
+        )
+    except BaseException:
+        scheduler.stop()
+        raise
+    console.print(f"{args.nodes} nodes registered in {time.perf_counter() - t0:.1f} s")
+    return Deployment(workdir, trainer, scheduler, url, nodes, nodes_url, pool)
+
+
+# --- Resource sampling -----------------------------------------------------------------
+def _tree(pid: int) -> list[psutil.Process]:
+    p = psutil.Process(pid)
+    return [p, *p.children(recursive=True)]
+
+
+def rss_bytes(pid: int) -> int:
+    total = 0
+    for p in _tree(pid):
+        with contextlib.suppress(psutil.Error):
+            total += p.memory_info().rss
+    return total
+
+
+def cpu_seconds(pid: int) -> float:
+    total = 0.0
+    for p in _tree(pid):
+        with contextlib.suppress(psutil.Error):
+            t = p.cpu_times()
+            total += t.user + t.system
+    return total
+
+
+class Sampler:
+    """CPU seconds and peak RSS of the three processes over a window."""
+
+    def __init__(self, pids: dict[str, int]):
+        self.pids = pids
+        self.cpu0: dict[str, float] = {}
+        self.t0 = 0.0
+        self.peak_rss: dict[str, int] = {}
+        self._task: asyncio.Task | None = None
+
+    def start(self) -> None:
+        self.t0 = time.perf_counter()
+        self.cpu0 = {k: cpu_seconds(p) for k, p in self.pids.items()}
+        self.peak_rss = {k: rss_bytes(p) for k, p in self.pids.items()}
+        self._task = asyncio.create_task(self._loop())
+
+    async def _loop(self) -> None:
+        while True:
+            await asyncio.sleep(0.5)
+            for k, p in self.pids.items():
+                self.peak_rss[k] = max(self.peak_rss[k], rss_bytes(p))
+
+    async def stop(self) -> dict[str, Any]:
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+        dt = time.perf_counter() - self.t0
+        return {
+            "seconds": dt,
+            "cpu_percent": {
+                k: 100 * (cpu_seconds(p) - self.cpu0[k]) / dt for k, p in self.pids.items()
+            },
+            "peak_rss_bytes": dict(self.peak_rss),
+            "rss_bytes": {k: rss_bytes(p) for k, p in self.pids.items()},
+        }
+
+
+# --- Prometheus histogram --------------------------------------------------------------
+def parse_histogram(text: str, name: str) -> dict[float, float] | None:
+    """Cumulative bucket counts {le: count} of histogram `name` (summed over labels)."""
+    buckets: dict[float, float] = {}
+    prefix = name + "_bucket{"
+    for line in text.splitlines():
+        if not line.startswith(prefix):
+            continue
+        labels, _, value = line[len(prefix) :].rpartition("} ")
+        le = next(
+            (p.split("=", 1)[1].strip('"') for p in labels.split(",") if p.startswith("le=")),
+            None,
+        )
+        if le is None:
+            continue
+        bound = float("inf") if le == "+Inf" else float(le)
+        buckets[bound] = buckets.get(bound, 0.0) + float(value.split()[0])
+    return buckets or None
+
+
+def histogram_quantile(
+    before: dict[float, float] | None, after: dict[float, float] | None, q: float
+) -> float | None:
+    """q-quantile of the observations between two scrapes (Prometheus interpolation)."""
+    if not after:
+        return None
+    bounds = sorted(after)
+    counts = [after[b] - (before or {}).get(b, 0.0) for b in bounds]
+    total = counts[-1]
+    if total <= 0:
+        return None
+    rank = q * total
+    prev_bound, prev_count = 0.0, 0.0
+    for b, c in zip(bounds, counts, strict=True):
+        if c >= rank:
+            if b == float("inf"):
+                return prev_bound  # beyond the last finite bucket: its bound is a floor
+            width = c - prev_count
+            return prev_bound + (b - prev_bound) * ((rank - prev_count) / width if width else 1)
+        prev_bound, prev_count = b, c
+    return prev_bound
+
+
+def histogram_count(before: dict[float, float] | None, after: dict[float, float] | None) -> int:
+    if not after:
+        return 0
+    top = max(after)
+    return int(after[top] - (before or {}).get(top, 0.0))
+
+
+# --- Orchestrator ----------------------------------------------------------------------
+def pct(values: list[float], q: float) -> float | None:
+    if not values:
+        return None
+    if len(values) == 1:
+        return values[0]
+    return statistics.quantiles(values, n=1000, method="inclusive")[int(q * 10) - 1]
+
+
+@dataclass
+class Released:
+    t: float
+    status: str
+
+
+@dataclass
+class StepResult:
+    offered_rate: float
+    warmup_s: float
+    measure_s: float
+    submitted: int = 0  # requests accepted by the scheduler in the measured window
+    refused: int = 0  # requests in batches answered 503/429/other errors (whole step)
+    refused_statuses: dict[str, int] = field(default_factory=dict)
+    released_in_window: int = 0  # results released during the measured window (any step)
+    achieved_rate: float = 0.0  # released_in_window / measure_s
+    window_released: int = 0  # measured-window requests released by the end of the drain
+    window_not_accepted: int = 0  # of those, status other than accepted
+    window_missing: int = 0  # measured-window requests never released within --drain-s
+    e2e_p50_s: float | None = None
+    e2e_p99_s: float | None = None
+    e2e_max_s: float | None = None
+    submit_p50_s: float | None = None  # SubmitRollouts round trip (the batch's POST)
+    submit_p99_s: float | None = None
+    dispatch_count: int = 0
+    dispatch_p50_s: float | None = None  # scheduler histogram (bucket interpolation)
+    dispatch_p99_s: float | None = None
+    sched_e2e_p50_s: float | None = None  # scheduler's own submit -> released histogram
+    sched_e2e_p99_s: float | None = None
+    resources: dict[str, Any] = field(default_factory=dict)
+    sustained: bool = False
+    p99_for_target_s: float | None = None  # dispatch p99 (scheduler) or e2e p99 if absent
+    meets_target: bool = False
+
+
+class Orchestrator:
+    """The trainer side: submits with the trainer key and reads the results stream."""
+
+    def __init__(self, dep: Deployment, session: aiohttp.ClientSession):
+        self.dep = dep
+        self.url = dep.scheduler_url
+        self.session = session
+        self.pool_id = dep.pool.pool_id
+        self.cursor = 0
+        self.released: dict[str, Released] = {}
+        self.waiters: dict[str, asyncio.Future] = {}
+        self.poll_errors = 0
+
+    async def submit(self, specs: list[RolloutSpec]) -> SubmitAck:
+        msg = SubmitRollouts(pool_id=self.pool_id, requests=specs)
+        opened, _ = await call(
+            self.session, f"{self.url}/v1/rollouts/submit", self.dep.trainer, msg, SubmitAck
+        )
+        return opened.message
+
+    async def results_loop(self) -> None:
+        """Long-poll the results stream forever, stamping each release on arrival."""
+        while True:
+            try:
+                opened, _ = await call(
+                    self.session,
+                    f"{self.url}/v1/rollouts/results",
+                    self.dep.trainer,
+                    ResultsQuery(after=self.cursor, limit=10_000, wait_s=2.0),
+                    ResultsPage,
+                )
+            except (TimeoutError, RemoteError, aiohttp.ClientError, OSError):
+                self.poll_errors += 1
+                await asyncio.sleep(0.05)
+                continue
+            now = time.perf_counter()
+            page = opened.message
+            for r in page.results:
+                self.released[r.request_id] = Released(now, r.status)
+                fut = self.waiters.pop(r.request_id, None)
+                if fut is not None and not fut.done():
+                    fut.set_result(r.status)
+            self.cursor = max(self.cursor, page.last_seq)
+
+    async def metrics_text(self) -> str:
+        async with self.session.get(f"{self.url}/metrics") as resp:
+            return await resp.text() if resp.status == 200 else ""
+
+    async def through(self, request_id: str) -> float:
+        """One request through the scheduler: submit, wait for its release; seconds."""
+        fut = asyncio.get_running_loop().create_future()
+        self.waiters[request_id] = fut
+        t0 = time.perf_counter()
+        await self.submit(
+            [RolloutSpec(request_id=request_id, prompt_ids=PROMPT, sampling=SAMPLING)]
+        )
+        status = await asyncio.wait_for(fut, 30)
+        dt = time.perf_counter() - t0
+        if status != "accepted":
+            raise RuntimeError(f"{request_id} released as {status}")
+        return dt
+
+
+async def run_overhead(orch: Orchestrator, n: int) -> dict[str, Any]:
+    """Direct to one node, direct + verify on a second, and through the scheduler."""
+    dep, s = orch.dep, orch.session
+    gen_url, ver_url = f"{dep.nodes_url}/n/0", f"{dep.nodes_url}/n/1"
+    times: dict[str, list[float]] = {"direct": [], "direct_verify": [], "through": []}
+
+    def request(i: int, kind: str) -> RolloutRequest:
+        return RolloutRequest(
+            request_id=f"ovh-{kind}-{i}",
+            pool_id=orch.pool_id,
+            prompt_ids=PROMPT,
+            sampling=SAMPLING,
+            seed=i,
+        )
+
+    async def direct(i: int) -> float:
+        t0 = time.perf_counter()
+        opened, _ = await call(s, f"{gen_url}/v1/rollouts", dep.trainer, request(i, "d"), Rollout)
+        assert opened.message.request_id == f"ovh-d-{i}"
+        return time.perf_counter() - t0
+
+    async def direct_verify(i: int) -> float:
+        t0 = time.perf_counter()
+        req = request(i, "dv")
+        _, raw = await call(s, f"{gen_url}/v1/rollouts", dep.trainer, req, Rollout)
+        vreq = VerifyRequest(rollout_envelope=raw, request=req)
+        verdict, _ = await call(s, f"{ver_url}/v1/verify", dep.trainer, vreq, Verdict)
+        assert verdict.message.accepted
+        return time.perf_counter() - t0
+
+    warm = max(3, n // 10)
+    for i in range(-warm, n):
+        order = [("direct", direct), ("direct_verify", direct_verify), ("through", None)]
+        if i % 2:
+            order.reverse()  # alternate the order: drifts hit all three alike
+        for kind, fn in order:
+            k = i + warm
+            dt = await (orch.through(f"ovh-t-{k}") if fn is None else fn(k))
+            if i >= 0:
+                times[kind].append(dt)
+    med = {k: statistics.median(v) for k, v in times.items()}
+    return {
+        "n": n,
+        "median_s": med,
+        "p90_s": {k: pct(v, 90) for k, v in times.items()},
+        "ratio_through_over_direct": med["through"] / med["direct"],
+        "ratio_through_over_direct_verify": med["through"] / med["direct_verify"],
+    }
+
+
+async def run_step(
+    orch: Orchestrator,
+    index: int,
+    rate: float,
+    args: argparse.Namespace,
+    pids: dict[str, int],
+) -> StepResult:
+    res = StepResult(offered_rate=rate, warmup_s=args.warmup_s, measure_s=args.measure_s)
+    sent_at: dict[str, float] = {}
+    submit_rtts: list[tuple[float, float]] = []  # (sent at, round trip)
+    tasks: set[asyncio.Task] = set()
+    refused: dict[str, int] = {}
+
+    async def send(specs: list[RolloutSpec], t: float) -> None:
+        try:
+            await orch.submit(specs)
+        except RemoteError as exc:
+            refused[str(exc.status)] = refused.get(str(exc.status), 0) + len(specs)
+            for s in specs:
+                sent_at.pop(s.request_id, None)
+            return
+        except (TimeoutError, aiohttp.ClientError, OSError) as exc:
+            key = type(exc).__name__
+            refused[key] = refused.get(key, 0) + len(specs)
+            for s in specs:
+                sent_at.pop(s.request_id, None)
+            return
+        submit_rtts.append((t, time.perf_counter() - t))
+
+    gap = args.batch_ms / 1000
+    t0 = time.perf_counter()
+    t_measure, t_end = t0 + args.warmup_s, t0 + args.warmup_s + args.measure_s
+    sampler = Sampler(pids)
+    metrics_before: str | None = None
+    sent = 0
+    while (now := time.perf_counter()) < t_end:
+        if metrics_before is None and now >= t_measure:
+            metrics_before = await orch.metrics_text()
+            sampler.start()
+            released_before = len(orch.released)
+        due = int((now - t0) * rate)
+        if due > sent:
+            specs = [
+                RolloutSpec(request_id=f"s{index}-{k}", prompt_ids=PROMPT, sampling=SAMPLING)
+                for k in range(sent, due)
+            ]
+            for sp in specs:
+                sent_at[sp.request_id] = now
+            sent = due
+            task = asyncio.create_task(send(specs, now))
+            tasks.add(task)
+            task.add_done_callback(tasks.discard)
+        await asyncio.sleep(max(0.0, gap - (time.perf_counter() - now)))
+    metrics_after = await orch.metrics_text()
+    res.released_in_window = len(orch.released) - released_before
+    res.resources = await sampler.stop()
+    res.achieved_rate = res.released_in_window / args.measure_s
+    # Drain: wait for the measured window's requests (and the in-flight submits).
+    if tasks:
+        await asyncio.wait(tasks, timeout=args.drain_s)
+    window = {rid: t for rid, t in sent_at.items() if t_measure <= t < t_end}
+    deadline = time.perf_counter() + args.drain_s
+    while time.perf_counter() < deadline and any(r not in orch.released for r in window):
+        await asyncio.sleep(0.1)
+    lat, statuses = [], []
+    for rid, t in window.items():
+        rel = orch.released.get(rid)
+        if rel is None:
+            res.window_missing += 1
+            continue
+        lat.append(rel.t - t)
+        statuses.append(rel.status)
+    lat.sort()
+    res.submitted = len(window)
+    res.window_released = len(lat)
+    res.window_not_accepted = sum(s != "accepted" for s in statuses)
+    res.refused = sum(refused.values())
+    res.refused_statuses = refused
+    res.e2e_p50_s, res.e2e_p99_s = pct(lat, 50), pct(lat, 99)
+    res.e2e_max_s = lat[-1] if lat else None
+    rtts = sorted(d for t, d in submit_rtts if t_measure <= t < t_end)
+    res.submit_p50_s, res.submit_p99_s = pct(rtts, 50), pct(rtts, 99)
+    hb = parse_histogram(metrics_before or "", DISPATCH_METRIC)
+    ha = parse_histogram(metrics_after, DISPATCH_METRIC)
+    res.dispatch_count = histogram_count(hb, ha)
+    res.dispatch_p50_s = histogram_quantile(hb, ha, 0.5)
+    res.dispatch_p99_s = histogram_quantile(hb, ha, 0.99)
+    eb, ea = (
+        parse_histogram(metrics_before or "", E2E_METRIC),
+        parse_histogram(metrics_after, E2E_METRIC),
+    )
+    res.sched_e2e_p50_s = histogram_quantile(eb, ea, 0.5)
+    res.sched_e2e_p99_s = histogram_quantile(eb, ea, 0.99)
+    res.sustained = (
+        res.achieved_rate >= 0.95 * rate
+        and res.window_missing == 0
+        and res.window_not_accepted == 0
+        and res.refused == 0
+        and res.submitted > 0
+    )
+    res.p99_for_target_s = res.dispatch_p99_s if res.dispatch_p99_s is not None else res.e2e_p99_s
+    res.meets_target = res.sustained and (
+        res.p99_for_target_s is not None and res.p99_for_target_s < P99_TARGET_S
+    )
+    return res
+
+
+async def scheduler_health(orch: Orchestrator) -> dict[str, Any]:
+    async with orch.session.get(f"{orch.url}/health") as resp:
+        return await resp.json()
+
+
+async def loadtest_stats(dep: Deployment, session: aiohttp.ClientSession) -> dict[str, Any]:
+    async with session.get(f"{dep.nodes_url}/stats") as resp:
+        return await resp.json()
+
+
+async def wait_all_healthy(orch: Orchestrator, n: int, timeout_s: float) -> dict[str, Any]:
+    deadline = time.perf_counter() + timeout_s
+    health: dict[str, Any] = {}
+    while time.perf_counter() < deadline:
+        health = await scheduler_health(orch)
+        if health.get("nodes", {}).get("healthy", 0) >= n:
+            return health
+        await asyncio.sleep(0.5)
+    console.print(f"[yellow]not all nodes healthy after {timeout_s:.0f} s: {health}[/yellow]")
+    return health
+
+
+async def bench(dep: Deployment, args: argparse.Namespace) -> dict[str, Any]:
+    pids = {"scheduler": dep.scheduler.proc.pid, "nodes": dep.nodes.proc.pid, "bench": os.getpid()}
+    connector = aiohttp.TCPConnector(limit=256)
+    timeout = aiohttp.ClientTimeout(total=60)
+    async with aiohttp.ClientSession(connector=connector, timeout=timeout) as session:
+        orch = Orchestrator(dep, session)
+        poller = asyncio.create_task(orch.results_loop())
+        try:
+            health = await wait_all_healthy(orch, args.nodes, timeout_s=args.heartbeat_s * 2 + 30)
+            console.print(f"scheduler health: {health.get('nodes')}")
+            console.print(f"idle for {args.idle_s:.0f} s: {args.nodes} nodes heartbeating")
+            sampler = Sampler(pids)
+            sampler.start()
+            await asyncio.sleep(args.idle_s)
+            idle = await sampler.stop()
+            idle["heartbeats"] = await loadtest_stats(dep, session)
+            idle["scheduler_health"] = await scheduler_health(orch)
+            idle["scheduler_rss_bytes"] = idle["rss_bytes"]["scheduler"]
+
+            overhead = None
+            if args.overhead_n > 0:
+                console.print(f"overhead: {args.overhead_n} sequential requests x 3 paths")
+                overhead = await run_overhead(orch, args.overhead_n)
+
+            steps: list[StepResult] = []
+            misses = 0
+            for i, rate in enumerate(args.rates):
+                console.print(
+                    f"step {i + 1}/{len(args.rates)}: {rate:.0f} req/s "
+                    f"({args.warmup_s:.0f} s warm-up + {args.measure_s:.0f} s)"
+                )
+                st = await run_step(orch, i, rate, args, pids)
+                steps.append(st)
+                p99 = st.p99_for_target_s
+                console.print(
+                    f"  achieved {st.achieved_rate:.0f}/s, e2e p99 "
+                    f"{_ms(st.e2e_p99_s)}, dispatch p99 {_ms(st.dispatch_p99_s)}, "
+                    f"sched CPU {st.resources['cpu_percent']['scheduler']:.0f}%"
+                    + ("" if st.sustained else "  [red]not sustained[/red]")
+                )
+                misses = 0 if st.sustained else misses + 1
+                if misses >= 2 or (p99 is not None and p99 > args.give_up_p99_s):
+                    console.print("  stopping: the scheduler no longer keeps up")
+                    break
+                await asyncio.sleep(args.pause_s)
+            final_stats = await loadtest_stats(dep, session)
+            final_health = await scheduler_health(orch)
+        finally:
+            poller.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await poller
+    return {
+        "idle": idle,
+        "overhead": overhead,
+        "steps": [asdict(s) for s in steps],
+        "loadtest_stats_end": final_stats,
+        "scheduler_health_end": final_health,
+        "results_poll_errors": orch.poll_errors,
+    }
+
+
+# --- Reporting -------------------------------------------------------------------------
+def _ms(x: float | None) -> str:
+    return "n/a" if x is None else f"{1000 * x:.1f} ms"
+
+
+def _mib(x: int | None) -> str:
+    return "n/a" if x is None else f"{x / 2**20:.0f} MiB"
+
+
+def summarize(report: dict[str, Any]) -> dict[str, Any]:
+    steps = report["steps"]
+    good = [s for s in steps if s["meets_target"]]
+    best = max(good, key=lambda s: s["offered_rate"]) if good else None
+    peak_rss = max(
+        [report["idle"]["peak_rss_bytes"]["scheduler"]]
+        + [s["resources"]["peak_rss_bytes"]["scheduler"] for s in steps]
+    )
+    idle_rss = report["idle"]["scheduler_rss_bytes"]
+    ov = report["overhead"]
+    return {
+        "nodes": report["settings"]["nodes"],
+        "best_sustained_rate": best["offered_rate"] if best else None,
+        "best_achieved_rate": best["achieved_rate"] if best else None,
+        "best_dispatch_p50_s": best["dispatch_p50_s"] if best else None,
+        "best_dispatch_p99_s": best["dispatch_p99_s"] if best else None,
+        "best_e2e_p50_s": best["e2e_p50_s"] if best else None,
+        "best_e2e_p99_s": best["e2e_p99_s"] if best else None,
+        "p99_measure": "scheduler dispatch histogram"
+        if any(s["dispatch_p99_s"] is not None for s in steps)
+        else "client end-to-end (no dispatch histogram at /metrics)",
+        "rate_target": RATE_TARGET,
+        "rate_target_met": bool(best and best["offered_rate"] >= RATE_TARGET),
+        "scheduler_rss_idle_bytes": idle_rss,
+        "scheduler_rss_peak_bytes": peak_rss,
+        "rss_target_bytes": RSS_TARGET_BYTES,
+        "rss_target_met": peak_rss < RSS_TARGET_BYTES,
+        "idle_scheduler_cpu_percent": report["idle"]["cpu_percent"]["scheduler"],
+        "heartbeat_p50_s": report["idle"]["heartbeats"]["heartbeat_latency_s"]["p50"],
+        "heartbeat_p99_s": report["idle"]["heartbeats"]["heartbeat_latency_s"]["p99"],
+        "overhead_ratio_through_over_direct": ov["ratio_through_over_direct"] if ov else None,
+        "overhead_ratio_through_over_direct_verify": ov["ratio_through_over_direct_verify"]
+        if ov
+        else None,
+    }
+
+
+def print_tables(report: dict[str, Any]) -> None:
+    st = report["settings"]
+    t = Table(
+        title=f"scheduler bench: {st['nodes']} load-test nodes, heartbeat {st['heartbeat_s']:.0f} s, "
+        f"{report['env']['device_name']}",
+        caption="e2e = batch sent -> result page received (generate + verify + commit + "
+        "long-poll); dispatch = scheduler histogram (submit -> sent to a generator)",
+    )
+    cols = [
+        "offered/s",
+        "achieved/s",
+        "e2e p50",
+        "e2e p99",
+        "dispatch p50",
+        "dispatch p99",
+        "submit p99",
+        "refused",
+        "missing",
+        "CPU % sched / nodes / bench",
+        "sched RSS",
+        "ok",
+    ]
+    for c in cols:
+        t.add_column(c, justify="right", no_wrap=True)
+    for s in report["steps"]:
+        cpu, rss = s["resources"]["cpu_percent"], s["resources"]["peak_rss_bytes"]
+        t.add_row(
+            f"{s['offered_rate']:.0f}",
+            f"{s['achieved_rate']:.0f}",
+            _ms(s["e2e_p50_s"]),
+            _ms(s["e2e_p99_s"]),
+            _ms(s["dispatch_p50_s"]),
+            _ms(s["dispatch_p99_s"]),
+            _ms(s["submit_p99_s"]),
+            str(s["refused"]),
+            str(s["window_missing"]),
+            f"{cpu['scheduler']:.0f} / {cpu['nodes']:.0f} / {cpu['bench']:.0f}",
+            _mib(rss["scheduler"]),
+            "yes" if s["meets_target"] else ("sustained" if s["sustained"] else "no"),
+        )
+    console.print(t)
+    s, ov, idle = report["summary"], report["overhead"], report["idle"]
+    best = s["best_sustained_rate"]
+    rows = {
+        f"highest sustained rate with p99 < {P99_TARGET_S * 1000:.0f} ms ({s['p99_measure']})": (
+            "none" if best is None else f"{best:.0f}/s (achieved {s['best_achieved_rate']:.0f}/s)"
+        )
+        + ("  ok" if s["rate_target_met"] else f"  MISSED (target {RATE_TARGET:.0f}/s)"),
+        "  at that rate: dispatch p50 / p99": f"{_ms(s['best_dispatch_p50_s'])} / "
+        f"{_ms(s['best_dispatch_p99_s'])}",
+        "  at that rate: e2e p50 / p99": f"{_ms(s['best_e2e_p50_s'])} / {_ms(s['best_e2e_p99_s'])}",
+        f"scheduler RSS at {s['nodes']} nodes: idle / peak (target < 300 MiB)": f"{_mib(s['scheduler_rss_idle_bytes'])} / {_mib(s['scheduler_rss_peak_bytes'])}"
+        + ("  ok" if s["rss_target_met"] else "  MISSED"),
+        "idle CPU % (heartbeats only): sched / nodes / bench": " / ".join(
+            f"{idle['cpu_percent'][k]:.0f}" for k in ("scheduler", "nodes", "bench")
+        ),
+        "heartbeat latency p50 / p99": f"{_ms(s['heartbeat_p50_s'])} / {_ms(s['heartbeat_p99_s'])}",
+    }
+    if ov:
+        m = ov["median_s"]
+        rows["overhead: median direct / direct+verify / through"] = (
+            f"{_ms(m['direct'])} / {_ms(m['direct_verify'])} / {_ms(m['through'])}"
+        )
+        rows["overhead ratio through / direct (through / direct+verify)"] = (
+            f"{ov['ratio_through_over_direct']:.1f}x "
+            f"({ov['ratio_through_over_direct_verify']:.1f}x)"
+        )
+    t2 = Table(title="summary", show_header=False)
+    t2.add_column("what")
+    t2.add_column("value", justify="right")
+    for k, v in rows.items():
+        t2.add_row(k, v)
+    console.print(t2)
+    for note in report["notes"]:
+        console.print(f"note: {note}")
+
+
+def plot(report: dict[str, Any], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    steps = report["steps"]
+    if not steps:
+        return
+    x = [s["offered_rate"] for s in steps]
+
+    def ms(key: str) -> list[float]:
+        return [float("nan") if s[key] is None else 1000 * s[key] for s in steps]
+
+    fig, ax = plt.subplots(1, 3, figsize=(16, 4.8))
+    a = ax[0]
+    a.plot(x, ms("e2e_p50_s"), "o-", label="end-to-end p50 (client)")
+    a.plot(x, ms("e2e_p99_s"), "o--", label="end-to-end p99 (client)")
+    a.plot(x, ms("dispatch_p50_s"), "s-", label="dispatch p50 (scheduler)")
+    a.plot(x, ms("dispatch_p99_s"), "s--", label="dispatch p99 (scheduler)")
+    a.axhline(P99_TARGET_S * 1000, color="red", lw=0.8, ls=":", label="p99 target 50 ms")
+    a.set_yscale("log")
+    a.set_title("latency vs offered rate")
+    a.set_ylabel("ms")
+    a = ax[1]
+    a.plot(x, [s["achieved_rate"] for s in steps], "o-", label="released/s")
+    a.plot(x, x, color="gray", lw=0.8, ls=":", label="offered")
+    a.axvline(RATE_TARGET, color="red", lw=0.8, ls=":", label="target 500/s")
+    a.set_title("throughput")
+    a.set_ylabel("requests/s")
+    a = ax[2]
+    for k in ("scheduler", "nodes", "bench"):
+        a.plot(x, [s["resources"]["cpu_percent"][k] for s in steps], "o-", label=k)
+    a.axhline(100 * (os.cpu_count() or 2), color="gray", lw=0.8, ls=":", label="all cores")
+    a.set_title("CPU % per process (100% = one core)")
+    for a in ax:
+        a.set_xlabel("offered requests/s")
+        a.grid(alpha=0.3)
+        a.legend(fontsize=8)
+    s, st = report["summary"], report["settings"]
+    best = s["best_sustained_rate"]
+    fig.suptitle(
+        f"scheduler bench: {st['nodes']} load-test nodes on {report['env']['device_name']}; "
+        f"best sustained rate with p99 < 50 ms: {'none' if best is None else f'{best:.0f}/s'}; "
+        f"scheduler RSS idle {_mib(s['scheduler_rss_idle_bytes'])}, peak "
+        f"{_mib(s['scheduler_rss_peak_bytes'])}",
+        fontsize=10,
+    )
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+# --- Main ------------------------------------------------------------------------------
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    add = ap.add_argument
+    add("--nodes", type=int, help="load-test nodes (default 1000; --quick 100)")
+    add("--rates", help="offered req/s steps (default 100,200,300,500,700,1000; --quick 50,100)")
+    add("--warmup-s", type=float, help="per step, not measured (default 3; --quick 1)")
+    add("--measure-s", type=float, help="per step, measured (default 12; --quick 3)")
+    add("--drain-s", type=float, default=20.0, help="wait this long for a step's last results")
+    add("--pause-s", type=float, default=2.0, help="between steps")
+    add("--idle-s", type=float, help="idle window (default: one heartbeat period; --quick 3)")
+    add("--batch-ms", type=float, default=20.0, help="submit a batch this often")
+    add("--heartbeat-s", type=float, default=10.0, help="node heartbeat period")
+    add("--overhead-n", type=int, help="sequential requests per path (default 100; --quick 10)")
+    add("--give-up-p99-s", type=float, default=2.0, help="stop the steps past this p99")
+    add("--model", default="loadtest", help="model name in the pool config")
+    add("--scheduler-arg", action="append", default=[], help="extra flag for scheduler serve")
+    add("--keep", action="store_true", help="keep the work folder (logs, DB)")
+    add("--quick", action="store_true", help="100 nodes, two short steps (a smoke test, < 60 s)")
+    add("--out", help="output stem (default tests/bench/results/scheduler_cpu)")
+    args = ap.parse_args(argv)
+    q = args.quick
+    args.nodes = args.nodes or (100 if q else 1000)
+    rates = args.rates or ("50,100" if q else "100,200,300,500,700,1000")
+    args.rates = [float(r) for r in str(rates).split(",") if r.strip()]
+    args.warmup_s = args.warmup_s if args.warmup_s is not None else (1.0 if q else 3.0)
+    args.measure_s = args.measure_s if args.measure_s is not None else (3.0 if q else 12.0)
+    args.idle_s = args.idle_s if args.idle_s is not None else (3.0 if q else args.heartbeat_s)
+    args.overhead_n = args.overhead_n if args.overhead_n is not None else (10 if q else 100)
+    if q:
+        args.drain_s = min(args.drain_s, 5.0)
+        args.pause_s = min(args.pause_s, 0.5)
+    if args.nodes < 2 or not args.rates or min(args.rates) <= 0:
+        ap.error("need at least 2 nodes and positive rates")
+    args.out = Path(args.out) if args.out else RESULTS_DIR / "scheduler_cpu"
+    return args
+
+
+def env_info(load_start: float) -> dict[str, Any]:
+    versions = {}
+    for k in VERSIONS_OF:
+        with contextlib.suppress(importlib.metadata.PackageNotFoundError):
+            versions[k] = importlib.metadata.version(k)
+    return {
+        "device_name": f"CPU x{os.cpu_count()} ({platform.processor() or platform.machine()})",
+        "cpu_count": os.cpu_count(),
+        "python": platform.python_version(),
+        **versions,
+        "platform": platform.platform(),
+        "loadavg_1m_at_start": load_start,
+        "loadavg_1m_at_end": os.getloadavg()[0],
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    load_start = os.getloadavg()[0]
+    notes = []
+    if load_start >= (os.cpu_count() or 1) / 2:
+        notes.append(
+            f"CPU busy at start (1-min load {load_start:.1f} on {os.cpu_count()} cores): "
+            "rates are lower than on an idle box"
+        )
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    workdir = Path(tempfile.mkdtemp(prefix="bench-scheduler-"))
+    t_start = time.perf_counter()
+    dep = start_deployment(workdir, args)
+    try:
+        body = asyncio.run(bench(dep, args))
+    except BaseException:
+        console.print(f"[red]failed; logs kept in {workdir}[/red]")
+        args.keep = True
+        raise
+    finally:
+        dep.stop()
+        if not args.keep:
+            shutil.rmtree(workdir, ignore_errors=True)
+    report: dict[str, Any] = {
+        "bench": "scheduler",
+        "schema": 1,
+        "timestamp": _dt.datetime.now(_dt.UTC).isoformat(timespec="seconds"),
+        "argv": sys.argv,
+        "env": env_info(load_start),
+        "settings": {
+            k: (str(v) if isinstance(v, Path) else v)
+            for k, v in vars(args).items()
+            if k not in ("keep",)
+        }
+        | {
+            "prompt_tokens": len(PROMPT),
+            "completion_tokens": SAMPLING.max_tokens,
+            "engine": "loadtest (instant, verifies nothing)",
+            "rate_limits": "loopback exempt per address (the trainer key is never limited)",
+            "database": "sqlite+aiosqlite (file in a temp folder)",
+        },
+        **body,
+        "wall_s": time.perf_counter() - t_start,
+        "notes": notes,
+    }
+    if args.keep:
+        report["workdir"] = str(workdir)
+    report["summary"] = summarize(report)
+    json_path, png_path = args.out.with_suffix(".json"), args.out.with_suffix(".png")
+    json_path.write_text(json.dumps(report, indent=2) + "\n")
+    print_tables(report)
+    plot(report, png_path)
+    console.print(f"wrote {json_path} and {png_path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,209 @@
+"""Test helper: a real pool on loopback: a signed pool file, a `prime-scheduler serve`
+process, `prime-node join` worker processes, and the trainer-side client.
+
+Every process is a separate OS process managed by `protocol.processes.ManagedProcess`;
+`Pool.close` stops them all (fixtures always call it).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+
+from protocol.identity import Identity
+from protocol.messages import (
+    AdmissionPolicy,
+    PoolConfig,
+    ReputationPolicy,
+    RolloutResult,
+    VerificationPolicy,
+)
+from protocol.processes import ManagedProcess, free_port
+from protocol.scheduler_client import SchedulerClient
+from scheduler.pool import write_pool
+
+REPO = Path(__file__).resolve().parent.parent
+TINY_THRESHOLDS = REPO / "configs" / "verification" / "tiny-torch-cpu-fp32.toml"
+POSTGRES_URL = "postgresql+asyncpg://postgres@127.0.0.1:5432/test"
+
+
+def tiny_verification() -> VerificationPolicy:
+    import tomllib
+
+    return VerificationPolicy(**tomllib.loads(TINY_THRESHOLDS.read_text())["verification"])
+
+
+@dataclass
+class Pool:
+    workdir: Path
+    pool_id: str
+    owner: Identity
+    trainer: Identity
+    pool_file: Path
+    db_url: str
+    port: int = field(default_factory=free_port)
+    scheduler: ManagedProcess | None = None
+    nodes: dict[str, ManagedProcess] = field(default_factory=dict)
+    scheduler_args: tuple[str, ...] = ()
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def client(self) -> SchedulerClient:
+        return SchedulerClient(self.url, self.trainer, self.pool_id)
+
+    def start_scheduler(self, *args: str, log_name: str = "scheduler") -> ManagedProcess:
+        self.scheduler_args = args or self.scheduler_args
+        cmd = [
+            sys.executable,
+            "-m",
+            "scheduler.cli",
+            "serve",
+            "--pool-file",
+            str(self.pool_file),
+            "--key-file",
+            str(self.workdir / "scheduler.key"),
+            "--database.url",
+            self.db_url,
+            "--server.port",
+            str(self.port),
+            "--log-dir",
+            str(self.workdir / "scheduler-logs"),
+            *self.scheduler_args,
+        ]
+        self.scheduler = ManagedProcess.start(
+            log_name,
+            cmd,
+            f"{self.url}/health",
+            self.workdir / f"{log_name}.log",
+            cwd=REPO,
+            timeout_s=60,
+        )
+        return self.scheduler
+
+    def join(self, name: str, *args: str, operator: str = "", wait: bool = True) -> ManagedProcess:
+        """Start `prime-node join` on the tiny model; wait until the scheduler sees it healthy."""
+        key = self.workdir / f"{name}.key"
+        node_id = Identity.load_or_create(key).node_id
+        port = free_port()
+        cmd = [
+            sys.executable,
+            "-m",
+            "node.cli",
+            "join",
+            "--pool",
+            self.pool_id,
+            "--scheduler",
+            self.url,
+            "--key-file",
+            str(key),
+            "--log-dir",
+            str(self.workdir / name),
+            "--server.port",
+            str(port),
+            "--operator",
+            operator or name,
+            *args,
+        ]
+        child = ManagedProcess.start(
+            name,
+            cmd,
+            f"http://127.0.0.1:{port}/health",
+            self.workdir / f"{name}.log",
+            cwd=REPO,
+            env={"OMP_NUM_THREADS": "1"},
+            timeout_s=180,
+        )
+        self.nodes[name] = child
+        if wait:
+            self.wait_node_state(node_id, "healthy", 60)
+        return child
+
+    def health(self) -> dict:
+        return httpx.get(f"{self.url}/health", timeout=10).json()
+
+    def state(self) -> dict:
+        return httpx.get(f"{self.url}/v1/dashboard/state", timeout=10).json()
+
+    def node_state(self, node_id: str) -> str | None:
+        for n in self.state()["nodes"]:
+            if n["node_id"] == node_id:
+                return n["state"]
+        return None
+
+    def node_id(self, name: str) -> str:
+        return Identity.load_or_create(self.workdir / f"{name}.key").node_id
+
+    def wait_node_state(self, node_id: str, state: str, timeout_s: float) -> None:
+        deadline = time.time() + timeout_s
+        while time.time() < deadline:
+            if self.node_state(node_id) == state:
+                return
+            time.sleep(0.3)
+        raise TimeoutError(f"node {node_id} not {state} after {timeout_s} s: {self.state()}")
+
+    def close(self) -> None:
+        for child in self.nodes.values():
+            child.kill9()
+        if self.scheduler is not None:
+            self.scheduler.stop()
+
+
+def make_pool(
+    workdir: Path,
+    pool_id: str = "test",
+    db_url: str | None = None,
+    admission: AdmissionPolicy | None = None,
+    reputation: ReputationPolicy | None = None,
+    verification: VerificationPolicy | None = None,
+) -> Pool:
+    workdir.mkdir(parents=True, exist_ok=True)
+    owner = Identity.load_or_create(workdir / "owner.key")
+    trainer = Identity.load_or_create(workdir / "trainer.key")
+    config = PoolConfig(
+        pool_id=pool_id,
+        model="tiny",
+        trainer_public_key=trainer.public_key,
+        admission=admission or AdmissionPolicy(),
+        verification=verification or tiny_verification(),
+        reputation=reputation or ReputationPolicy(),
+    )
+    pool_file = write_pool(workdir / f"{pool_id}.pool", owner, config)
+    url = db_url or f"sqlite+aiosqlite:///{workdir / 'scheduler.db'}"
+    return Pool(workdir, pool_id, owner, trainer, pool_file, url)
+
+
+async def collect(
+    client: SchedulerClient, expected: int, timeout_s: float, after: int = 0
+) -> list[RolloutResult]:
+    """Read the results stream until `expected` results arrived (or time runs out)."""
+    out: list[RolloutResult] = []
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout_s
+    while len(out) < expected and loop.time() < deadline:
+        page = await client.results(after, limit=1000, wait_s=2.0)
+        out.extend(page.results)
+        after = page.last_seq
+    return out
+
+
+def reset_postgres(url: str = POSTGRES_URL) -> None:
+    """Drop every table of the test database (a fresh schema for each test)."""
+    import sqlalchemy
+    from sqlalchemy.ext.asyncio import create_async_engine
+
+    async def drop() -> None:
+        engine = create_async_engine(url)
+        async with engine.begin() as conn:
+            await conn.execute(sqlalchemy.text("DROP SCHEMA public CASCADE"))
+            await conn.execute(sqlalchemy.text("CREATE SCHEMA public"))
+        await engine.dispose()
+
+    asyncio.run(drop())
+

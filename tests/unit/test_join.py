@@ -1,0 +1,320 @@
+"""`prime-node join` without a scheduler: the node's own checks and its caller rule.
+
+Covers what the node decides by itself: it refuses a pool config for another pool or from
+another owner (exit 2, before loading any model), a scheduler that never answers (exit 2),
+and a refused registration (exit 2, the scheduler's message shown); it reads and checks
+invite tokens; `NodeServer(callers=...)` takes proof-route work only from the scheduler's
+key; relayed weights load only under the trainer's key and never roll back.
+
+The only scheduler surface here is `pool_route`, a stand-in for the scheduler's one
+GET /v1/pool route (an owner-signed `PoolConfig`); every other scheduler route is absent
+from it, so a POST to register gets aiohttp's plain 404.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import os
+import sys
+from pathlib import Path
+
+import aiohttp
+import pytest
+from aiohttp import web
+
+from node.config import EngineConfig, JoinConfig
+from node.join import JoinError, read_invite
+from node.server import NodeServer
+from node.worker import Worker
+from protocol.config import ConfigError, load_config
+from protocol.envelope import UntrustedSenderError, open_envelope, seal
+from protocol.identity import Identity
+from protocol.messages import (
+    Invite,
+    PoolConfig,
+    Rollout,
+    RolloutRequest,
+    SamplingParams,
+    VerifyRequest,
+    WeightUpdate,
+)
+from protocol.processes import free_port
+from tests.nodes import REPO
+
+MSGPACK = {"Content-Type": "application/msgpack"}
+
+
+@pytest.fixture(autouse=True)
+def _no_prime_env(monkeypatch):
+    for name in list(os.environ):
+        if name.startswith("PRIME_"):
+            monkeypatch.delenv(name)
+
+
+@pytest.fixture(scope="module")
+def owner() -> Identity:
+    return Identity.generate()
+
+
+@pytest.fixture(scope="module")
+def trainer() -> Identity:
+    return Identity.generate()
+
+
+@pytest.fixture(scope="module")
+def pool(trainer) -> PoolConfig:
+    return PoolConfig(pool_id="pool-a", model="tiny", trainer_public_key=trainer.public_key)
+
+
+@pytest.fixture
+async def pool_route(owner, pool):
+    """Stand-in for the scheduler's GET /v1/pool only; yields its base URL."""
+    signed = seal(owner, pool, ttl_s=60)
+
+    async def get_pool(_request: web.Request) -> web.Response:
+        return web.Response(body=signed, content_type="application/msgpack")
+
+    app = web.Application()
+    app.router.add_get("/v1/pool", get_pool)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    await web.TCPSite(runner, "127.0.0.1", 0).start()
+    yield f"http://127.0.0.1:{runner.addresses[0][1]}"
+    await runner.cleanup()
+
+
+async def join_cli(tmp_path: Path, *args: str, timeout_s: float = 120) -> tuple[int, str]:
+    """Run `python -m node.cli join` to its end; return its exit code and stderr."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PRIME_")}
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable,
+        "-m",
+        "node.cli",
+        "join",
+        "--key-file",
+        str(tmp_path / "node.key"),
+        "--log-dir",
+        str(tmp_path / "logs"),
+        *args,
+        cwd=REPO,
+        env={**env, "OMP_NUM_THREADS": "1"},
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.PIPE,
+    )
+    try:
+        _, err = await asyncio.wait_for(proc.communicate(), timeout_s)
+    except TimeoutError:
+        proc.kill()
+        await proc.wait()
+        raise
+    return proc.returncode, err.decode(errors="replace")
+
+
+# ------------------------------------------------------------------ join refuses
+
+
+async def test_join_refuses_another_pool(tmp_path, pool_route):
+    code, err = await join_cli(tmp_path, "--pool", "pool-b", "--scheduler", pool_route)
+    assert code == 2, err
+    assert f"the scheduler at {pool_route} serves pool 'pool-a', not 'pool-b'" in err
+    assert "loading" not in err  # refused before any model was loaded
+    assert (tmp_path / "logs" / "node.toml").is_file()
+
+
+async def test_join_refuses_a_pool_signed_by_another_owner(tmp_path, pool_route, owner):
+    other = Identity.generate().node_id
+    code, err = await join_cli(
+        tmp_path, "--pool", "pool-a", "--scheduler", pool_route, "--owner", other
+    )
+    assert code == 2, err
+    assert f"is signed by {owner.node_id}, not by the owner {other}" in err
+
+
+async def test_join_gives_up_on_an_unreachable_scheduler(tmp_path):
+    url = f"http://127.0.0.1:{free_port()}"
+    code, err = await join_cli(
+        tmp_path, "--pool", "pool-a", "--scheduler", url, "--startup-attempts", "2"
+    )
+    assert code == 2, err
+    assert f"scheduler {url} unreachable after 2 attempt(s)" in err
+
+
+async def test_join_shows_the_schedulers_refusal_to_register(tmp_path, pool_route, owner):
+    # The stand-in has no register route: its 404 is a refusal like any other 4xx.
+    code, err = await join_cli(
+        tmp_path, "--pool", "pool-a", "--scheduler", pool_route, "--owner", owner.node_id
+    )
+    assert code == 2, err
+    assert "the scheduler refused to admit this node (HTTP 404): 404: Not Found" in err
+
+
+# ------------------------------------------------------------------ config
+
+
+def test_join_config_needs_pool_and_scheduler():
+    with pytest.raises(ConfigError, match="scheduler"):
+        load_config(JoinConfig, ["--pool", "p"])
+    with pytest.raises(ConfigError, match="pool"):
+        load_config(JoinConfig, ["--scheduler", "http://127.0.0.1:7000"])
+
+
+def test_join_config_checks_urls_and_hosts():
+    base = ["--pool", "p", "--scheduler", "http://127.0.0.1:7000/"]
+    cfg = load_config(JoinConfig, base)
+    assert cfg.scheduler == "http://127.0.0.1:7000" and cfg.server.port == 0
+    with pytest.raises(ConfigError, match="must start with http"):
+        load_config(JoinConfig, ["--pool", "p", "--scheduler", "127.0.0.1:7000"])
+    with pytest.raises(ConfigError, match="set --advertise-url"):
+        load_config(JoinConfig, [*base, "--server.host", "0.0.0.0"])
+    cfg = load_config(
+        JoinConfig, [*base, "--server.host", "0.0.0.0", "--advertise-url", "http://n1:9000/n/1"]
+    )
+    assert cfg.advertise_url == "http://n1:9000/n/1"
+    with pytest.raises(ConfigError, match="not a node id"):
+        load_config(JoinConfig, [*base, "--owner", "someone"])
+
+
+def test_join_engine_model_defaults_to_the_pools():
+    base = ["--pool", "p", "--scheduler", "http://127.0.0.1:7000"]
+    cfg = load_config(JoinConfig, [*base, "--engine.dtype", "float32"])
+    assert cfg.engine.model is None
+    resolved = cfg.engine.resolve("tiny")
+    assert isinstance(resolved, EngineConfig) and resolved.model == "tiny"
+    assert resolved.dtype == "float32"
+    assert load_config(JoinConfig, [*base, "--model", "smollm2"]).engine.resolve("tiny").model == (
+        "smollm2"
+    )
+    with pytest.raises(ValueError, match="neither a bundled model"):
+        cfg.engine.resolve("/no/such/model")
+
+
+# ------------------------------------------------------------------ invites
+
+
+def _token(identity: Identity, invite: Invite, ttl_s: float = 7 * 86400) -> str:
+    return base64.urlsafe_b64encode(seal(identity, invite, ttl_s)).decode().rstrip("=")
+
+
+def test_invite_token_or_file(tmp_path, owner, pool):
+    node = Identity.generate().node_id
+    token = _token(owner, Invite(pool_id="pool-a", invite_id="inv-00001", node_id=node))
+    raw = read_invite(token, pool, owner.public_key, node)
+    assert open_envelope(raw, Invite, max_ttl_s=10 * 86400).message.invite_id == "inv-00001"
+    f = tmp_path / "invite.txt"
+    f.write_text(token + "\n")
+    assert read_invite(str(f), pool, owner.public_key, node) == raw
+
+
+def test_invite_refused_when_not_the_owners_or_not_for_us(owner, pool):
+    node = Identity.generate().node_id
+    stranger = Identity.generate()
+    cases = {
+        "not by the owner": _token(stranger, Invite(pool_id="pool-a", invite_id="inv-00001")),
+        "for pool 'pool-z'": _token(owner, Invite(pool_id="pool-z", invite_id="inv-00001")),
+        "bound to node": _token(
+            owner, Invite(pool_id="pool-a", invite_id="inv-00001", node_id=stranger.node_id)
+        ),
+        "expired": _token(owner, Invite(pool_id="pool-a", invite_id="inv-00001"), ttl_s=-1),
+        "neither a file nor a valid invite token": "no-such-file.txt",
+    }
+    for expected, token in cases.items():
+        with pytest.raises(JoinError, match=expected):
+            read_invite(token, pool, owner.public_key, node)
+
+
+# ------------------------------------------------------------------ the node's callers
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_path):
+    """A tiny engine of this module's own: the weights tests change its version."""
+    from node.engines.torch_engine import TorchEngine
+
+    return TorchEngine(EngineConfig(model="tiny"))
+
+
+@pytest.fixture
+async def node_server(engine, trainer, pool):
+    """A real NodeServer on loopback; yields (server, base URL)."""
+    identity = Identity.generate()
+    worker = Worker(
+        engine,
+        identity,
+        pool.verification,
+        max_batch_size=4,
+        batch_wait_s=0.0,
+        max_model_len=512,
+        pool_id=pool.pool_id,
+    )
+    server = NodeServer(
+        worker,
+        model_name="tiny",
+        trusted_keys=[trainer.node_id],
+        max_body_bytes=1 << 20,
+        max_concurrent=8,
+        rollout_cache_size=8,
+        callers=set(),
+    )
+    runner = web.AppRunner(server.app())
+    await runner.setup()
+    await web.TCPSite(runner, "127.0.0.1", 0).start()
+    yield server, f"http://127.0.0.1:{runner.addresses[0][1]}"
+    await runner.cleanup()
+
+
+def _rollout_request(engine, request_id: str) -> RolloutRequest:
+    return RolloutRequest(
+        request_id=request_id,
+        pool_id="pool-a",
+        prompt_ids=engine.tokenizer.encode("abc", add_special_tokens=False),
+        sampling=SamplingParams(max_tokens=8),
+        seed=1,
+    )
+
+
+async def test_node_takes_work_only_from_its_callers(node_server, engine):
+    server, url = node_server
+    scheduler, stranger = Identity.generate(), Identity.generate()
+    async with aiohttp.ClientSession() as http:
+
+        async def post(route: str, identity: Identity, message) -> tuple[int, bytes]:
+            body = seal(identity, message)
+            async with http.post(f"{url}{route}", data=body, headers=MSGPACK) as resp:
+                return resp.status, await resp.read()
+
+        # Before registration (callers = empty set) nobody may send work.
+        status, body = await post("/v1/rollouts", scheduler, _rollout_request(engine, "r0"))
+        assert status == 403, body
+        server.callers = {scheduler.public_key}
+        status, body = await post("/v1/rollouts", stranger, _rollout_request(engine, "r1"))
+        assert status == 403 and b"is not trusted for RolloutRequest" in body
+        status, body = await post("/v1/rollouts", scheduler, _rollout_request(engine, "r2"))
+        assert status == 200, body
+        rollout = open_envelope(body, Rollout).message
+        assert rollout.request_id == "r2" and rollout.node_id == server.worker.node_id
+        verify = VerifyRequest(rollout_envelope=body)
+        status, body = await post("/v1/verify", stranger, verify)
+        assert status == 403 and b"is not trusted for VerifyRequest" in body
+        # The OpenAI-compatible surface is not signed: the caller rule does not apply to it.
+        async with http.get(f"{url}/health") as resp:
+            assert resp.status == 200
+    assert server.in_flight == 0 and server.worker.outstanding_tokens == 0
+
+
+async def test_relayed_weights_need_the_trainer_and_never_roll_back(
+    node_server, engine, trainer, tiny_path
+):
+    server, _ = node_server
+    base_hash = engine.weights_hash
+    v1 = WeightUpdate(version=1, path=str(tiny_path))
+    with pytest.raises(UntrustedSenderError):
+        await server.load_relayed_weights(seal(Identity.generate(), v1))
+    assert engine.weights_version == 0
+    # Relayed long after the trainer signed it: expired, yet its signature still counts.
+    assert await server.load_relayed_weights(seal(trainer, v1, ttl_s=-600))
+    assert (engine.weights_version, engine.weights_hash) == (1, base_hash)
+    assert not await server.load_relayed_weights(seal(trainer, v1))
+    v0 = WeightUpdate(version=0, path=str(tiny_path))
+    assert not await server.load_relayed_weights(seal(trainer, v0))
+    assert engine.weights_version == 1
