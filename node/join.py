@@ -30,6 +30,7 @@ from typing import TYPE_CHECKING, TypeVar
 
 import aiohttp
 from aiohttp import web
+from pydantic import ValidationError
 
 from node.config import JoinConfig
 from protocol.client import RemoteError, call
@@ -184,6 +185,10 @@ def read_invite(value: str, pool: PoolConfig, owner: bytes, node_id: str) -> byt
 class PoolNode:
     """One node in one pool: its server, its registration, its heartbeats and its leave."""
 
+    # The worker class (None: node.worker.Worker, imported late so a refusal stays fast);
+    # tests swap in dishonest subclasses (tests/adversary_node.py).
+    worker_cls: type[Worker] | None = None
+
     def __init__(self, cfg: JoinConfig, identity: Identity, session: aiohttp.ClientSession):
         self.cfg = cfg
         self.identity = identity
@@ -239,11 +244,18 @@ class PoolNode:
 
         cfg, pool = self.cfg, self.pool
         assert pool is not None
-        engine_cfg = cfg.engine.resolve(pool.model)
+        try:
+            engine_cfg = cfg.engine.resolve(pool.model)
+        except ValidationError as exc:
+            reason = "; ".join(e["msg"].removeprefix("Value error, ") for e in exc.errors())
+            raise JoinError(
+                f"cannot serve the pool's model here: {reason}; "
+                "point --engine.model at a local copy of it"
+            ) from exc
         log.info("loading %s on the %s engine", engine_cfg.model, engine_cfg.kind)
         # Off the loop, so a signal during a long load is still noticed.
         engine = await asyncio.to_thread(create_engine, engine_cfg)
-        self.worker = Worker(
+        self.worker = (self.worker_cls or Worker)(
             engine,
             self.identity,
             pool.verification,
@@ -441,7 +453,9 @@ class PoolNode:
         except Exception as exc:
             if not _transient(exc):
                 raise
-            log.warning("scheduler unreachable while leaving (%s); stopping anyway", _describe(exc))
+            log.warning(
+                "the scheduler did not take the leave (%s); stopping anyway", _describe(exc)
+            )
 
     async def close(self) -> None:
         if self.runner is not None:
@@ -450,7 +464,7 @@ class PoolNode:
             self.worker.engine.close()
 
 
-async def run(cfg: JoinConfig) -> None:
+async def run(cfg: JoinConfig, node_cls: type[PoolNode] = PoolNode) -> None:
     """Join the pool and serve until SIGTERM/SIGINT (then leave cleanly) or until refused
     or banned (`JoinError`). A second signal cuts the drain short."""
     loop = asyncio.get_running_loop()
@@ -468,7 +482,7 @@ async def run(cfg: JoinConfig) -> None:
     # connect: a scheduler host that does not answer counts as down quickly.
     timeout = aiohttp.ClientTimeout(total=30, connect=5)
     async with aiohttp.ClientSession(timeout=timeout) as session:
-        node = PoolNode(cfg, identity, session)
+        node = node_cls(cfg, identity, session)
         life = asyncio.create_task(node.live())
         stopped = asyncio.create_task(stop.wait())
         try:
@@ -476,7 +490,7 @@ async def run(cfg: JoinConfig) -> None:
             if life.done():
                 life.result()  # raises JoinError (refused, banned) or a bug
                 raise AssertionError("node.live() returned")
-            log.info("stop requested: leaving the pool")
+            log.info("stop requested")
             life.cancel()
             await asyncio.gather(life, return_exceptions=True)
             await node.leave(hurry)

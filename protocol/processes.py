@@ -56,7 +56,13 @@ class ManagedProcess:
         cwd: Path | None = None,
         env: dict[str, str] | None = None,
         timeout_s: float = 180,
+        wait: bool = True,
     ) -> ManagedProcess:
+        """Launch `cmd`; with `wait`, return once `health_url` answers.
+
+        Launch from a long-lived thread: on Linux the child's parent-death signal fires
+        when the launching *thread* exits, not only the process.
+        """
         log_path.parent.mkdir(parents=True, exist_ok=True)
         full_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
         with log_path.open("w") as log:
@@ -69,7 +75,8 @@ class ManagedProcess:
                 preexec_fn=_die_with_parent,
             )
         child = cls(name, proc, log_path, health_url)
-        child.wait_healthy(timeout_s)
+        if wait:
+            child.wait_healthy(timeout_s)
         return child
 
     def log_tail(self, chars: int = 3000) -> str:

@@ -4,15 +4,18 @@ stream, publish weights. Everything it sends is signed by the trainer key.
 Invariants: `submit` is idempotent per request id (resubmitting after a crash or a
 timeout cannot create a second request); `stream` yields each result once, in seq
 order, and resumes from any cursor the caller kept (pass the last seq you processed).
-A saturated pool (503) is retried after its Retry-After; other errors raise `RemoteError`.
+A saturated pool (503) and a scheduler that is down or restarting (connection errors) are
+retried for up to `retry_s` (both routes are safe to repeat); other errors raise `RemoteError`.
 """
 
 from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator, Sequence
+from typing import TypeVar
 
 import aiohttp
+from pydantic import BaseModel
 
 from protocol.client import RemoteError, call
 from protocol.envelope import seal
@@ -27,12 +30,22 @@ from protocol.messages import (
     WeightUpdate,
 )
 
+M = TypeVar("M", bound=BaseModel)
+
 
 class SchedulerClient:
-    def __init__(self, url: str, identity: Identity, pool_id: str, timeout_s: float = 120.0):
+    def __init__(
+        self,
+        url: str,
+        identity: Identity,
+        pool_id: str,
+        timeout_s: float = 120.0,
+        retry_s: float = 300.0,
+    ):
         self.url = url.rstrip("/")
         self.identity = identity
         self.pool_id = pool_id
+        self.retry_s = retry_s
         self.session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=timeout_s))
 
     async def close(self) -> None:
@@ -44,28 +57,31 @@ class SchedulerClient:
     async def __aexit__(self, *exc) -> None:
         await self.close()
 
-    async def submit(self, specs: Sequence[RolloutSpec], max_wait_s: float = 300.0) -> SubmitAck:
-        """Submit a batch (durable when this returns); waits out backpressure up to max_wait_s."""
-        msg = SubmitRollouts(pool_id=self.pool_id, requests=list(specs))
+    async def _call(self, route: str, message: BaseModel, response: type[M]) -> M:
         loop = asyncio.get_running_loop()
-        deadline = loop.time() + max_wait_s
+        deadline = loop.time() + self.retry_s
         while True:
             try:
                 opened, _ = await call(
-                    self.session, f"{self.url}/v1/rollouts/submit", self.identity, msg, SubmitAck
+                    self.session, self.url + route, self.identity, message, response
                 )
                 return opened.message
             except RemoteError as exc:
                 if exc.status != 503 or loop.time() > deadline:
                     raise
-                await asyncio.sleep(1.0)
+            except aiohttp.ClientConnectionError:
+                if loop.time() > deadline:
+                    raise
+            await asyncio.sleep(1.0)
+
+    async def submit(self, specs: Sequence[RolloutSpec]) -> SubmitAck:
+        """Submit a batch (durable when this returns); known request ids are ignored."""
+        msg = SubmitRollouts(pool_id=self.pool_id, requests=list(specs))
+        return await self._call("/v1/rollouts/submit", msg, SubmitAck)
 
     async def results(self, after: int = 0, limit: int = 500, wait_s: float = 0.0) -> ResultsPage:
         q = ResultsQuery(after=after, limit=limit, wait_s=wait_s)
-        opened, _ = await call(
-            self.session, f"{self.url}/v1/rollouts/results", self.identity, q, ResultsPage
-        )
-        return opened.message
+        return await self._call("/v1/rollouts/results", q, ResultsPage)
 
     async def stream(self, after: int = 0, wait_s: float = 10.0) -> AsyncIterator[RolloutResult]:
         """Results after `after`, forever (long-polling); the caller breaks out."""

@@ -75,7 +75,9 @@ async def _consume(
         try:
             await conn.execute(db.nonces.insert().values(key=key, expires=opened.expires))
         except IntegrityError as exc:
-            raise Refused(409, "replayed registration: this signed request was already used") from exc
+            raise Refused(
+                409, "replayed registration: this signed request was already used"
+            ) from exc
         if invite_id:
             used = (
                 await conn.execute(

@@ -121,7 +121,9 @@ def pool_invite(
 
 @db_app.command("upgrade")
 def db_upgrade(
-    url: str = typer.Option(..., help="Database URL (sqlite+aiosqlite:///... or postgresql+asyncpg://...)."),
+    url: str = typer.Option(
+        ..., help="Database URL (sqlite+aiosqlite:///... or postgresql+asyncpg://...)."
+    ),
 ) -> None:
     """Apply the schema migrations (the daemon also does this at start)."""
     import asyncio

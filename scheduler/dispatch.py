@@ -166,7 +166,11 @@ class Dispatcher:
             ).all()
         for row in open_rows:
             job = Job(
-                row.request_id, row.source, decode(row.spec, RolloutSpec), row.seed, row.submitted_at
+                row.request_id,
+                row.source,
+                decode(row.spec, RolloutSpec),
+                row.seed,
+                row.submitted_at,
             )
             job.rollout_envelope = row.rollout_envelope
             self.jobs[job.request_id] = job
@@ -280,6 +284,9 @@ class Dispatcher:
                 if scanned >= 256 or self.registry.pick_generator(0) is None:
                     break
                 continue
+            # Reserve now: the next pick in this loop must see this node's new load.
+            node.in_flight += 1
+            node.outstanding_tokens += job.est_tokens
             self._spawn(job, self._run_job(job, node))
         waiting.extend(self.queue)
         self.queue = waiting
@@ -305,13 +312,14 @@ class Dispatcher:
 
     # -- talking to nodes ------------------------------------------------------------
     async def _call(
-        self, node: NodeRecord, route: str, body: bytes, timeout_s: float
+        self, node: NodeRecord, route: str, body: bytes, timeout_s: float, reserve: bool = True
     ) -> bytes:
-        """POST to a node; a node death (see `node_died`) cancels the call."""
+        """POST to a node; a node death (see `node_died`) cancels the call. `reserve=False`:
+        the caller already counted this call in the node's load."""
         assert self.session is not None
         task = asyncio.create_task(post_raw(self.session, node.http_url + route, body))
         self.node_tasks.setdefault(node.node_id, set()).add(task)
-        node.in_flight += 1
+        node.in_flight += reserve
         try:
             done, _ = await asyncio.wait({task}, timeout=timeout_s)
             if not done:
@@ -328,7 +336,7 @@ class Dispatcher:
             node.failures = 0
             return task.result()
         finally:
-            node.in_flight -= 1
+            node.in_flight -= reserve
             self.node_tasks[node.node_id].discard(task)
             self.kick()
 
@@ -348,10 +356,13 @@ class Dispatcher:
         job.attempts += 1
         self.metrics.dispatch_latency_seconds.observe(time.monotonic() - job.queued_at)
         request = job.request(self.pool_id, self.pool.config.verification.proof)
-        gen.outstanding_tokens += job.est_tokens
         try:
             raw = await self._call(
-                gen, "/v1/rollouts", seal(self.identity, request), self.cfg.generate_timeout_s
+                gen,
+                "/v1/rollouts",
+                seal(self.identity, request),
+                self.cfg.generate_timeout_s,
+                reserve=False,
             )
             rollout = self._check_rollout(raw, gen, request)
         except NodeFailed as exc:
@@ -364,6 +375,7 @@ class Dispatcher:
             self._requeue(job, f"{gen.label} cheated: {exc}")
             return
         finally:
+            gen.in_flight -= 1
             gen.outstanding_tokens -= job.est_tokens
         gen.generated += 1
         gen.tokens += len(rollout.completion_ids)

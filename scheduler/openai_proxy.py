@@ -159,7 +159,9 @@ class OpenAIProxy:
         url = f"{node.http_url}/v1/rollouts/{rollout_id}"
         async with self.session.get(url) as resp:
             if resp.status != 200:
-                raise BadAnswer(f"{node.label} has no signed rollout for its answer ({resp.status})")
+                raise BadAnswer(
+                    f"{node.label} has no signed rollout for its answer ({resp.status})"
+                )
             raw = await resp.read()
         try:
             opened = open_envelope(raw, Rollout, check_expiry=False)
@@ -183,4 +185,3 @@ class OpenAIProxy:
         ):
             raise BadAnswer(f"{node.label}'s signed rollout does not match its answer")
         return raw, r
-

@@ -198,7 +198,9 @@ class SchedulerServer:
     def _node(self, opened) -> NodeRecord:
         node = self.registry.get(opened.sender_id)
         if node is None:
-            raise web.HTTPNotFound(text=f"node {opened.sender_id} is not registered: register first")
+            raise web.HTTPNotFound(
+                text=f"node {opened.sender_id} is not registered: register first"
+            )
         return node
 
     # -- routes: pool and nodes --------------------------------------------------------
@@ -245,7 +247,9 @@ class SchedulerServer:
             last_seen=now,
         )
         if existing is not None:
-            self.dispatcher.node_died(existing)  # a re-registered node restarted: its calls are gone
+            self.dispatcher.node_died(
+                existing
+            )  # a re-registered node restarted: its calls are gone
         self.registry.add(node)
         await self.dispatcher.persist_node(node)
         log.info("admitted %s (%s) at %s", node_id, req.operator or "no operator", req.http_url)
@@ -290,6 +294,7 @@ class SchedulerServer:
     async def deregister(self, request: web.Request) -> web.Response:
         opened = await self._open(request, Deregister)
         node = self._node(opened)
+        node.last_seen = time.time()  # a draining node polls here instead of heartbeating
         if node.state != "banned":
             node.state = "draining" if opened.message.stage == "drain" else "left"
             await self.dispatcher.persist_node(node)
@@ -430,4 +435,3 @@ def run(cfg: SchedulerConfig) -> None:
         access_log=None,
         handle_signals=True,
     )
-

@@ -170,3 +170,70 @@ class MadeUpLogprobs(Generator):
             r.model_copy(update={"logprobs": [self.fake(x, rng) for x in r.logprobs]})
             for r in rollouts
         ]
+
+
+# -- dishonest nodes as whole processes (`python -m tests.adversary_node KIND join ...`) --
+# Each is a `Worker` subclass: the node around it (server, registration, heartbeats) is
+# the real one, exactly as a cheater would run it.
+
+
+def _resign(worker, signed, rollout: Rollout):
+    from node.worker import SignedRollout
+
+    return SignedRollout(rollout, seal(worker.identity, rollout, ttl_s=3600), signed.top_logprobs)
+
+
+def _worker_base():
+    from node.worker import Worker
+
+    return Worker
+
+
+class TamperedTokensWorker(_worker_base()):
+    """Generates honestly, then edits one completion token and re-signs (keeps the proof)."""
+
+    async def generate(self, request, top_logprobs=0):
+        signed = await super().generate(request, top_logprobs)
+        r = signed.rollout
+        ids = list(r.completion_ids)
+        i = len(ids) // 2
+        ids[i] = (ids[i] + 1) % self.engine.vocab_size
+        return _resign(self, signed, r.model_copy(update={"completion_ids": ids}))
+
+
+class ForgedProofWorker(_worker_base()):
+    """Generates honestly, then sends a made-up proof (random bytes of the right size)."""
+
+    async def generate(self, request, top_logprobs=0):
+        signed = await super().generate(request, top_logprobs)
+        r = signed.rollout
+        rng = random.Random(r.seed)
+        fake = [bytes(rng.randrange(256) for _ in range(len(c))) for c in r.proof]
+        return _resign(self, signed, r.model_copy(update={"proof": fake}))
+
+
+class RejectAllVerifier(_worker_base()):
+    """Generates honestly but rejects every rollout it is asked to verify, unchecked."""
+
+    async def verify(self, request):
+        from protocol.envelope import open_envelope
+        from protocol.messages import CheckResult, Verdict
+
+        rollout = open_envelope(request.rollout_envelope, Rollout, check_expiry=False).message
+        verdict = Verdict(
+            request_id=rollout.request_id,
+            rollout_digest=rollout.digest(),
+            generator_id=rollout.node_id,
+            verifier_id=self.node_id,
+            weights_hash=self.engine.weights_hash,
+            accepted=False,
+            checks=[CheckResult(name="proof", passed=False, detail="(rejects everything)")],
+        )
+        return verdict, seal(self.identity, verdict, ttl_s=3600)
+
+
+DISHONEST_WORKERS = {
+    "tampered-tokens": TamperedTokensWorker,
+    "forged-proof": ForgedProofWorker,
+    "reject-all": RejectAllVerifier,
+}

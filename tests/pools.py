@@ -87,16 +87,24 @@ class Pool:
         )
         return self.scheduler
 
-    def join(self, name: str, *args: str, operator: str = "", wait: bool = True) -> ManagedProcess:
-        """Start `prime-node join` on the tiny model; wait until the scheduler sees it healthy."""
+    def join(
+        self,
+        name: str,
+        *args: str,
+        operator: str = "",
+        wait: bool = True,
+        dishonest: str | None = None,
+    ) -> ManagedProcess:
+        """Start `prime-node join` on the tiny model (or a dishonest node of kind `dishonest`,
+        see tests.adversaries.DISHONEST_WORKERS); wait until the scheduler sees it healthy."""
         key = self.workdir / f"{name}.key"
         node_id = Identity.load_or_create(key).node_id
         port = free_port()
+        entry = ["node.cli", "join"] if dishonest is None else ["tests.adversary_node", dishonest]
         cmd = [
             sys.executable,
             "-m",
-            "node.cli",
-            "join",
+            *entry,
             "--pool",
             self.pool_id,
             "--scheduler",
@@ -118,12 +126,23 @@ class Pool:
             self.workdir / f"{name}.log",
             cwd=REPO,
             env={"OMP_NUM_THREADS": "1"},
-            timeout_s=180,
+            wait=False,
         )
         self.nodes[name] = child
         if wait:
-            self.wait_node_state(node_id, "healthy", 60)
+            self.wait_joined(name)
         return child
+
+    def wait_joined(self, name: str, timeout_s: float = 180) -> None:
+        self.nodes[name].wait_healthy(timeout_s)
+        self.wait_node_state(self.node_id(name), "healthy", 60)
+
+    def join_many(self, names: list[str], **dishonest: str) -> None:
+        """Start several nodes at once (start-up is mostly imports: overlap them)."""
+        for name in names:
+            self.join(name, dishonest=dishonest.get(name), wait=False)
+        for name in names:
+            self.wait_joined(name)
 
     def health(self) -> dict:
         return httpx.get(f"{self.url}/health", timeout=10).json()
@@ -193,17 +212,13 @@ async def collect(
     return out
 
 
-def reset_postgres(url: str = POSTGRES_URL) -> None:
+async def reset_postgres(url: str = POSTGRES_URL) -> None:
     """Drop every table of the test database (a fresh schema for each test)."""
     import sqlalchemy
     from sqlalchemy.ext.asyncio import create_async_engine
 
-    async def drop() -> None:
-        engine = create_async_engine(url)
-        async with engine.begin() as conn:
-            await conn.execute(sqlalchemy.text("DROP SCHEMA public CASCADE"))
-            await conn.execute(sqlalchemy.text("CREATE SCHEMA public"))
-        await engine.dispose()
-
-    asyncio.run(drop())
-
+    engine = create_async_engine(url)
+    async with engine.begin() as conn:
+        await conn.execute(sqlalchemy.text("DROP SCHEMA public CASCADE"))
+        await conn.execute(sqlalchemy.text("CREATE SCHEMA public"))
+    await engine.dispose()

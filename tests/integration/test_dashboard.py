@@ -186,6 +186,9 @@ async def test_dashboard_live_updates_in_browser(dashboard_target: DashboardTarg
 
     target = dashboard_target
     t0 = time.monotonic()
+    js_errors: list[str] = []
+    page.on("pageerror", lambda exc: js_errors.append(str(exc)))
+    page.on("console", lambda m: js_errors.append(m.text) if m.type == "error" else None)
     await page.goto(f"{target.url}/dashboard")
     await page.evaluate("window.__notReloaded = true")
     ms = UPDATE_S * 1000
@@ -214,6 +217,7 @@ async def test_dashboard_live_updates_in_browser(dashboard_target: DashboardTarg
     await expect(page.locator("#total-accepted")).to_have_text(str(accepted + 3), timeout=ms)
     await expect(page.locator("#total-banned")).to_have_text(str(banned + 1), timeout=ms)
     assert await page.evaluate("window.__notReloaded === true"), "the page reloaded"
+    assert not js_errors, js_errors
 
     SCREENSHOT.parent.mkdir(parents=True, exist_ok=True)
     await page.screenshot(path=str(SCREENSHOT), full_page=True)

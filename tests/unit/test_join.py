@@ -171,7 +171,7 @@ def test_join_config_checks_urls_and_hosts():
         JoinConfig, [*base, "--server.host", "0.0.0.0", "--advertise-url", "http://n1:9000/n/1"]
     )
     assert cfg.advertise_url == "http://n1:9000/n/1"
-    with pytest.raises(ConfigError, match="not a node id"):
+    with pytest.raises(ConfigError, match="not an Ed25519 node id"):
         load_config(JoinConfig, [*base, "--owner", "someone"])
 
 
@@ -182,9 +182,8 @@ def test_join_engine_model_defaults_to_the_pools():
     resolved = cfg.engine.resolve("tiny")
     assert isinstance(resolved, EngineConfig) and resolved.model == "tiny"
     assert resolved.dtype == "float32"
-    assert load_config(JoinConfig, [*base, "--model", "smollm2"]).engine.resolve("tiny").model == (
-        "smollm2"
-    )
+    chosen = load_config(JoinConfig, [*base, "--engine.model", "smollm2"])
+    assert chosen.engine.resolve("tiny").model == "smollm2"
     with pytest.raises(ValueError, match="neither a bundled model"):
         cfg.engine.resolve("/no/such/model")
 

@@ -1,0 +1,288 @@
+"""The scheduler daemon's API without any model: admission, rate limits, bad input.
+
+A real `prime-scheduler serve` process on loopback; requests are signed by real keys and
+sent over HTTP. Node registrations here point at URLs nobody serves (no work is sent).
+"""
+
+from __future__ import annotations
+
+import base64
+
+import httpx
+import msgpack
+import pytest
+
+from protocol.envelope import seal
+from protocol.identity import Identity
+from protocol.messages import (
+    AdmissionPolicy,
+    Deregister,
+    Heartbeat,
+    Invite,
+    RegisterRequest,
+    ResultsQuery,
+    RolloutSpec,
+    SubmitRollouts,
+    WeightUpdate,
+)
+from scheduler.pool import make_invite
+from tests.pools import make_pool
+
+MSGPACK = {"Content-Type": "application/msgpack"}
+
+
+def post(url: str, body: bytes | str, json_ct: bool = False) -> httpx.Response:
+    headers = {"Content-Type": "application/json"} if json_ct else MSGPACK
+    return httpx.post(url, content=body, headers=headers, timeout=10)
+
+
+def registration(identity: Identity, pool_id: str = "test", invite: bytes = b"") -> bytes:
+    req = RegisterRequest(
+        pool_id=pool_id, http_url="http://127.0.0.1:9/unused", model="tiny", invite=invite
+    )
+    return seal(identity, req)
+
+
+def error_of(resp: httpx.Response) -> str:
+    return resp.json()["error"]["message"]
+
+
+@pytest.fixture
+def allowlist_pool(tmp_path):
+    listed = Identity.generate()
+    pool = make_pool(
+        tmp_path, admission=AdmissionPolicy(mode="allowlist", allowlist=[listed.node_id])
+    )
+    pool.start_scheduler(
+        "--rate-limits.per-identity-per-s", "5", "--rate-limits.per-identity-burst", "10"
+    )
+    yield pool, listed
+    pool.close()
+
+
+@pytest.fixture
+def invite_pool(tmp_path):
+    pool = make_pool(tmp_path, admission=AdmissionPolicy(mode="invite"))
+    pool.start_scheduler("--server.max-body-bytes", "65536")
+    yield pool
+    pool.close()
+
+
+def test_allowlist_admits_listed_node_and_refuses_unknown(allowlist_pool):
+    pool, listed = allowlist_pool
+    stranger = Identity.generate()
+    resp = post(f"{pool.url}/v1/nodes/register", registration(stranger))
+    assert resp.status_code == 403
+    assert "not on pool 'test'" in error_of(resp) and stranger.node_id in error_of(resp)
+    ok = post(f"{pool.url}/v1/nodes/register", registration(listed))
+    assert ok.status_code == 200, ok.text
+    # A heartbeat from the unknown node is refused too: it was never admitted.
+    hb = post(
+        f"{pool.url}/v1/nodes/heartbeat",
+        seal(stranger, Heartbeat(node_id=stranger.node_id, weights_version=0)),
+    )
+    assert hb.status_code == 404 and "not registered" in error_of(hb)
+    assert pool.health()["nodes"] == {"registered": 1}
+
+
+def test_replayed_registration_is_refused(allowlist_pool):
+    pool, listed = allowlist_pool
+    envelope = registration(listed)
+    assert post(f"{pool.url}/v1/nodes/register", envelope).status_code == 200
+    again = post(f"{pool.url}/v1/nodes/register", envelope)
+    assert again.status_code == 409
+    assert "replayed" in error_of(again)
+
+
+def test_flooding_node_is_rate_limited(allowlist_pool):
+    pool, listed = allowlist_pool
+    assert post(f"{pool.url}/v1/nodes/register", registration(listed)).status_code == 200
+    statuses = [
+        post(
+            f"{pool.url}/v1/nodes/heartbeat",
+            seal(listed, Heartbeat(node_id=listed.node_id, weights_version=0)),
+        )
+        for _ in range(40)
+    ]
+    codes = [r.status_code for r in statuses]
+    assert codes[0] == 200
+    assert 429 in codes, codes
+    limited = next(r for r in statuses if r.status_code == 429)
+    assert "rate limit" in error_of(limited) and listed.node_id in error_of(limited)
+    # Others are not affected by one node's flood.
+    assert pool.health()["status"] == "ok"
+
+
+def test_invites_admit_once_and_forgeries_are_refused(invite_pool):
+    pool = invite_pool
+    url = f"{pool.url}/v1/nodes/register"
+    a, b, c = Identity.generate(), Identity.generate(), Identity.generate()
+    no_invite = post(url, registration(a))
+    assert no_invite.status_code == 403 and "invite-only" in error_of(no_invite)
+
+    forger = Identity.generate()
+    forged = seal(forger, Invite(pool_id="test", invite_id="f" * 16), ttl_s=3600)
+    refused = post(url, registration(a, invite=forged))
+    assert refused.status_code == 403
+    assert "invite refused" in error_of(refused) and "not trusted" in error_of(refused)
+
+    token = base64.urlsafe_b64decode(make_invite(pool.owner, "test", ttl_s=3600))
+    assert post(url, registration(a, invite=token)).status_code == 200
+    reused = post(url, registration(b, invite=token))
+    assert reused.status_code == 403 and "already used" in error_of(reused)
+
+    bound = base64.urlsafe_b64decode(make_invite(pool.owner, "test", 3600, node_id=a.node_id))
+    wrong_node = post(url, registration(c, invite=bound))
+    assert wrong_node.status_code == 403 and "bound to another node" in error_of(wrong_node)
+    other_pool = base64.urlsafe_b64decode(make_invite(pool.owner, "elsewhere", 3600))
+    wrong_pool = post(url, registration(c, invite=other_pool))
+    assert wrong_pool.status_code == 403 and "'elsewhere'" in error_of(wrong_pool)
+
+
+def test_bad_input_on_every_route_gets_4xx_and_daemon_keeps_serving(invite_pool):
+    pool = invite_pool
+    u = pool.url
+    stranger = Identity.generate()
+    spec = RolloutSpec(request_id="x", prompt_ids=[1, 2])
+    cases: list[tuple[str, httpx.Response, int]] = [
+        ("register garbage", post(f"{u}/v1/nodes/register", b"\x00\x01garbage"), 400),
+        ("register empty", post(f"{u}/v1/nodes/register", b""), 400),
+        ("register json", post(f"{u}/v1/nodes/register", '{"pool_id": "test"}', True), 400),
+        (
+            "register wrong kind",
+            post(f"{u}/v1/nodes/register", seal(stranger, Deregister(node_id="x"))),
+            400,
+        ),
+        (
+            "register bad url",
+            post(
+                f"{u}/v1/nodes/register",
+                _raw_envelope(
+                    stranger, "RegisterRequest", {"pool_id": "test", "http_url": "ftp://x"}
+                ),
+            ),
+            400,
+        ),
+        (
+            "register wrong pool",
+            post(f"{u}/v1/nodes/register", registration(stranger, pool_id="nope")),
+            404,
+        ),
+        ("heartbeat garbage", post(f"{u}/v1/nodes/heartbeat", msgpack.packb([1, 2, 3])), 400),
+        (
+            "heartbeat unknown node",
+            post(
+                f"{u}/v1/nodes/heartbeat", seal(stranger, Heartbeat(node_id="n", weights_version=0))
+            ),
+            404,
+        ),
+        ("deregister garbage", post(f"{u}/v1/nodes/deregister", b"{}"), 400),
+        (
+            "submit by a non-trainer",
+            post(
+                f"{u}/v1/rollouts/submit",
+                seal(stranger, SubmitRollouts(pool_id="test", requests=[spec])),
+            ),
+            403,
+        ),
+        (
+            "submit wrong pool",
+            post(
+                f"{u}/v1/rollouts/submit",
+                seal(pool.trainer, SubmitRollouts(pool_id="nope", requests=[spec])),
+            ),
+            404,
+        ),
+        (
+            "submit duplicate ids",
+            post(
+                f"{u}/v1/rollouts/submit",
+                seal(pool.trainer, SubmitRollouts(pool_id="test", requests=[spec, spec])),
+            ),
+            400,
+        ),
+        (
+            "submit negative tokens",
+            post(
+                f"{u}/v1/rollouts/submit",
+                _raw_envelope(
+                    pool.trainer,
+                    "SubmitRollouts",
+                    {"pool_id": "test", "requests": [{"request_id": "y", "prompt_ids": [-1]}]},
+                ),
+            ),
+            400,
+        ),
+        (
+            "results by a non-trainer",
+            post(f"{u}/v1/rollouts/results", seal(stranger, ResultsQuery())),
+            403,
+        ),
+        (
+            "results bad cursor",
+            post(
+                f"{u}/v1/rollouts/results",
+                _raw_envelope(pool.trainer, "ResultsQuery", {"after": -5}),
+            ),
+            400,
+        ),
+        (
+            "weights by a non-trainer",
+            post(f"{u}/v1/weights", seal(stranger, WeightUpdate(version=1, path="/tmp/x"))),
+            403,
+        ),
+        ("oversized body", post(f"{u}/v1/nodes/register", b"\x00" * 100_000), 413),
+        ("chat malformed json", post(f"{u}/v1/chat/completions", "{not json", True), 400),
+        ("chat not an object", post(f"{u}/v1/chat/completions", "[1, 2]", True), 400),
+        (
+            "chat bad min_version",
+            post(f"{u}/v1/chat/completions", '{"messages": [], "min_version": "x"}', True),
+            400,
+        ),
+        ("completions no node", post(f"{u}/v1/completions", '{"prompt": "hi"}', True), 503),
+        ("tokenize malformed", post(f"{u}/tokenize", "nope", True), 400),
+        ("unknown route", httpx.get(f"{u}/v1/nothing-here", timeout=10), 404),
+    ]
+    for name, resp, status in cases:
+        assert resp.status_code == status, f"{name}: {resp.status_code} {resp.text}"
+        body = resp.json()
+        if status != 404 or name != "unknown route":
+            assert body["error"]["message"], name
+    # Expired and tampered envelopes.
+    expired = seal(pool.trainer, ResultsQuery(), ttl_s=-1)
+    resp = post(f"{u}/v1/rollouts/results", expired)
+    assert resp.status_code == 401 and "expired" in error_of(resp)
+    env = msgpack.unpackb(seal(pool.trainer, ResultsQuery()))
+    env["body"] = env["body"][:-1] + b"\x01"
+    resp = post(f"{u}/v1/rollouts/results", msgpack.packb(env))
+    assert resp.status_code == 401 and "signature" in error_of(resp)
+    assert pool.health()["status"] == "ok"
+    metrics = httpx.get(f"{u}/metrics", timeout=10).text
+    assert 'prime_scheduler_http_errors_total{route="/v1/nodes/register",status="400"}' in metrics
+
+
+def _raw_envelope(identity: Identity, kind: str, body: dict) -> bytes:
+    """A correctly signed envelope around a body that is not a valid message."""
+    import os
+    import time
+
+    from protocol import PROTOCOL_VERSION
+    from protocol.codec import pack
+    from protocol.envelope import _signed_part
+
+    raw = pack({"v": PROTOCOL_VERSION, "t": kind, "b": body})
+    nonce, expires = os.urandom(16), time.time() + 60
+    sig = identity.sign(
+        _signed_part(PROTOCOL_VERSION, identity.public_key, nonce, expires, kind, raw)
+    )
+    return pack(
+        {
+            "v": PROTOCOL_VERSION,
+            "sender": identity.public_key,
+            "nonce": nonce,
+            "expires": expires,
+            "kind": kind,
+            "body": raw,
+            "sig": sig,
+        }
+    )
