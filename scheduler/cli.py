@@ -7,6 +7,7 @@ Every command takes its settings through the shared config loader (`protocol.con
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Annotated
 
 import typer
 from rich.console import Console
@@ -21,6 +22,7 @@ app.add_typer(pool_app, name="pool")
 app.add_typer(db_app, name="db")
 console = Console(stderr=True)
 EXTRA = {"allow_extra_args": True, "ignore_unknown_options": True}
+DEFAULT_OWNER_KEY = Path("~/.prime-swarm/owner.key")
 
 
 def _config(cls, args: list[str]):
@@ -98,10 +100,10 @@ def pool_create(ctx: typer.Context) -> None:
 
 @pool_app.command("invite")
 def pool_invite(
-    pool_file: Path = typer.Option(..., help="The signed pool file."),
-    owner_key: Path = typer.Option(Path("~/.prime-swarm/owner.key"), help="Owner key file."),
-    ttl_h: float = typer.Option(24.0, help="Hours the invite stays valid."),
-    node_id: str = typer.Option("", help="Bind the invite to this node id ('' = anyone)."),
+    pool_file: Annotated[Path, typer.Option(help="The signed pool file.")],
+    owner_key: Annotated[Path, typer.Option(help="Owner key file.")] = DEFAULT_OWNER_KEY,
+    ttl_h: Annotated[float, typer.Option(help="Hours the invite stays valid.")] = 24.0,
+    node_id: Annotated[str, typer.Option(help="Bind the invite to this node id.")] = "",
 ) -> None:
     """Print a single-use invite token for an invite-only pool."""
     from protocol.identity import Identity

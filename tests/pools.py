@@ -98,7 +98,7 @@ class Pool:
         """Start `prime-node join` on the tiny model (or a dishonest node of kind `dishonest`,
         see tests.adversaries.DISHONEST_WORKERS); wait until the scheduler sees it healthy."""
         key = self.workdir / f"{name}.key"
-        node_id = Identity.load_or_create(key).node_id
+        Identity.load_or_create(key)
         port = free_port()
         entry = ["node.cli", "join"] if dishonest is None else ["tests.adversary_node", dishonest]
         cmd = [
