@@ -161,10 +161,70 @@ async def fake_scheduler() -> AsyncIterator[FakeScheduler]:
     await fake.stop()
 
 
-@pytest.fixture
-async def dashboard_target(fake_scheduler: FakeScheduler) -> AsyncIterator[DashboardTarget]:
-    """Swap point: yield a DashboardTarget backed by the real scheduler process here."""
-    yield fake_scheduler
+class RealScheduler:
+    """A real pool on loopback: `prime-scheduler serve` and three `prime-node join` processes
+    on the tiny model, one of them a verifier that rejects everything (tests/adversaries.py).
+    A ban is earned for real: it loses disputes until its reputation is under the threshold."""
+
+    def __init__(self, workdir: Path) -> None:
+        from tests.pools import make_pool
+
+        self.pool = make_pool(workdir)
+        self.pool.start_scheduler()
+        self.pool.join_many(["h0", "h1", "rejecter"], rejecter="reject-all")
+        self.url = self.pool.url
+        self.node_ids = [self.pool.node_id(n) for n in ("h0", "h1", "rejecter")]
+        self.client = self.pool.client()
+        self.submitted = 0
+        self.seen = 0
+
+    async def _run(self, n: int) -> None:
+        from protocol.messages import RolloutSpec, SamplingParams
+        from tests.pools import collect
+
+        specs = [
+            RolloutSpec(
+                request_id=f"d{self.submitted + i}",
+                prompt_ids=[5 + i % 30, 9, 11],
+                sampling=SamplingParams(max_tokens=8),
+            )
+            for i in range(n)
+        ]
+        self.submitted += n
+        await self.client.submit(specs)
+        results = await collect(self.client, n, 120, after=self.seen)
+        self.seen = results[-1].seq
+
+    async def ban(self, node_id: str) -> None:
+        assert node_id == self.node_ids[-1], "only the dishonest verifier can be banned for real"
+        for _ in range(20):
+            if self.pool.node_state(node_id) == "banned":
+                return
+            await self._run(6)
+        raise AssertionError(f"{node_id} was never banned: {self.pool.state()}")
+
+    async def accept(self, n: int) -> None:
+        await self._run(n)
+
+    async def stop(self) -> None:
+        await self.client.close()
+        self.pool.close()
+
+
+@pytest.fixture(params=["fake", pytest.param("real", marks=pytest.mark.slow)])
+async def dashboard_target(request, tmp_path) -> AsyncIterator[DashboardTarget]:
+    """The fake (state under the test's control) and the real scheduler process."""
+    if request.param == "fake":
+        fake = FakeScheduler()
+        await fake.start()
+        yield fake
+        await fake.stop()
+    else:
+        real = RealScheduler(tmp_path)
+        try:
+            yield real
+        finally:
+            await real.stop()
 
 
 @pytest.fixture
@@ -200,16 +260,17 @@ async def test_dashboard_live_updates_in_browser(dashboard_target: DashboardTarg
     for node_id in target.node_ids:
         await expect(cell(node_id, "state")).to_have_text("healthy", timeout=ms)
     await expect(page.locator("#disconnected")).to_be_hidden()
-    accepted = int(await page.locator("#total-accepted").inner_text())
     banned = int(await page.locator("#total-banned").inner_text())
 
     # A ban and new accepted results show up without a reload.
     victim = target.node_ids[-1]
-    t_ban = time.monotonic()
     await target.ban(victim)
-    await target.accept(3)
+    t_ban = time.monotonic()
     await expect(cell(victim, "state")).to_have_text("banned", timeout=ms)
     ban_seen_s = time.monotonic() - t_ban
+    await page.wait_for_timeout(1500)  # let the page catch up with results released meanwhile
+    accepted = int(await page.locator("#total-accepted").inner_text())
+    await target.accept(3)
     await expect(page.locator(f'tr[data-node-id="{victim}"]')).to_have_attribute(
         "data-state", "banned"
     )
