@@ -1,0 +1,236 @@
+"""Scheduler pieces in isolation: schema migrations (SQLite and PostgreSQL), the group
+committing writer, node choice, reputation and bans, rate limits, pool files and invites,
+config validation."""
+
+from __future__ import annotations
+
+import base64
+import sys
+
+import pytest
+from alembic.autogenerate import compare_metadata
+from alembic.migration import MigrationContext
+from sqlalchemy import func, select
+
+from protocol.config import ConfigError, load_config
+from protocol.identity import Identity
+from protocol.messages import PoolConfig, ReputationPolicy
+from scheduler import db
+from scheduler.config import PoolCreateConfig, SchedulerConfig
+from scheduler.pool import PoolError, check_invite, make_invite, open_pool, sign_pool
+from scheduler.ratelimit import RateLimited, RateLimiter
+from scheduler.registry import NodeRecord, Registry
+from tests.pools import POSTGRES_URL, reset_postgres
+
+
+def node(i: int, **kw) -> NodeRecord:
+    fields = dict(
+        node_id=f"n{i}",
+        public_key=bytes(32),
+        operator=f"op{i}",
+        http_url=f"http://127.0.0.1:{9000 + i}",
+        address="127.0.0.1",
+        engine="torch",
+        model="tiny",
+        capacity=4,
+        state="healthy",
+        reputation=1.0,
+        weights_version=3,
+        weights_hash="h",
+        registered_at=0.0,
+        last_seen=0.0,
+    )
+    fields.update(kw)
+    return NodeRecord(**fields)
+
+
+@pytest.fixture(params=["sqlite", "postgresql"])
+async def engine_url(request, tmp_path):
+    if request.param == "postgresql":
+        await reset_postgres()
+        url = POSTGRES_URL
+    else:
+        url = f"sqlite+aiosqlite:///{tmp_path / 's.db'}"
+    engine = db.create_engine(url)
+    await db.migrate(engine, url)
+    yield engine, url
+    await engine.dispose()
+
+
+async def test_migrated_schema_matches_the_tables_in_code(engine_url):
+    engine, url = engine_url
+
+    def diff(sync_conn):
+        return compare_metadata(MigrationContext.configure(sync_conn), db.metadata)
+
+    async with engine.connect() as conn:
+        assert await conn.run_sync(diff) == []
+    await db.migrate(engine, url)  # idempotent
+
+
+async def test_writer_group_commits_and_results_are_unique(engine_url):
+    engine, _ = engine_url
+    writer = db.Writer(engine, 0.005)
+    writer.start()
+    rows = [
+        {
+            "seq": i,
+            "request_id": f"r{i}",
+            "source": "dispatch",
+            "status": "accepted",
+            "detail": "",
+            "weights_version": 0,
+            "generator_id": "g",
+            "rollout_envelope": b"x",
+            "verdict_envelopes": b"",
+            "released_at": 0.0,
+        }
+        for i in range(1, 51)
+    ]
+    for f in writer.write_many(db.results.insert(), rows):
+        await f
+    # A second release of the same request is refused by the database itself.
+    dup = dict(rows[0], seq=99)
+    with pytest.raises(Exception, match="(?i)unique|duplicate"):
+        await writer.write(db.results.insert(), dup)
+    # A failed batch does not poison later ones.
+    await writer.write(db.results.insert(), dict(rows[0], seq=100, request_id="fresh"))
+    await writer.stop()
+    async with engine.connect() as conn:
+        assert (await conn.execute(select(func.count()).select_from(db.results))).scalar() == 51
+        assert await db.max_seq(conn) == 100
+
+
+def test_generator_choice_respects_version_capacity_state_and_load():
+    reg = Registry(ReputationPolicy())
+    a, b, c, d = node(0), node(1, weights_version=1), node(2, state="unhealthy"), node(3)
+    for n in (a, b, c, d):
+        reg.add(n)
+    a.outstanding_tokens = 100
+    d.outstanding_tokens = 10
+    assert reg.pick_generator(min_version=2) is d  # b too old, c unhealthy, a busier
+    d.in_flight = d.capacity
+    assert reg.pick_generator(min_version=2) is a  # d is full
+    assert reg.pick_generator(min_version=2, exclude={"n0"}) is None
+    assert reg.pick_generator(min_version=0, exclude={"n0"}) is b
+    # Reputation weighs load: half the reputation counts like twice the load.
+    d.in_flight = 0
+    d.outstanding_tokens = 60
+    d.reputation = 0.5
+    assert reg.pick_generator(min_version=2) is a
+
+
+def test_verifier_is_never_the_generator_its_operator_or_other_weights():
+    reg = Registry(ReputationPolicy())
+    gen = node(0, operator="acme")
+    same_op = node(1, operator="acme")
+    other_weights = node(2, weights_hash="other")
+    good = node(3)
+    for n in (gen, same_op, other_weights, good):
+        reg.add(n)
+    for _ in range(50):
+        assert reg.pick_verifier("h", [gen], set()) is good
+    assert reg.pick_verifier("h", [gen], {"n3"}) is None
+    # A judge excludes the first verifier's operator too.
+    judge_pool = Registry(ReputationPolicy())
+    for n in (gen, good, node(4, operator=good.operator), node(5)):
+        judge_pool.add(n)
+    assert {judge_pool.pick_verifier("h", [gen, good], set()).node_id for _ in range(50)} == {"n5"}
+
+
+def test_reputation_bans_after_bounded_lost_disputes_and_ban_is_final():
+    reg = Registry(ReputationPolicy(initial=1.0, penalty_lost_dispute=0.25, ban_below=0.3))
+    n = node(0)
+    reg.add(n)
+    assert [reg.penalize(n, "lost") for _ in range(3)] == [False, False, True]
+    assert n.state == "banned" and n.reason == "lost"
+    reg.seen(n)
+    assert n.state == "banned"
+    assert reg.pick_generator(0) is None and reg.pick_verifier("h", [], set()) is None
+    with pytest.raises(ValueError, match="ban_below must be lower"):
+        ReputationPolicy(initial=0.5, ban_below=0.6)
+
+
+def test_missed_heartbeats_make_nodes_unhealthy_then_dead():
+    reg = Registry(ReputationPolicy())
+    n = node(0, last_seen=100.0)
+    reg.add(n)
+    assert reg.sweep(110.0, 25, 45) == []
+    assert reg.sweep(130.0, 25, 45) == [n] and n.state == "unhealthy"
+    assert reg.pick_generator(0) is None
+    assert reg.sweep(150.0, 25, 45) == [n] and n.state == "dead"
+    reg.seen(node(1))  # unrelated
+    n2 = node(2, state="unhealthy")
+    reg.seen(n2)
+    assert n2.state == "healthy"
+
+
+def test_rate_limiter_refuses_over_burst_and_refills():
+    now = [0.0]
+    rl = RateLimiter(per_s=2, burst=3, what="node key", clock=lambda: now[0])
+    for _ in range(3):
+        rl.check("a")
+    with pytest.raises(RateLimited, match="more than 2 requests/s from this node key"):
+        rl.check("a")
+    rl.check("b")  # other keys are not affected
+    now[0] = 0.5  # one token back
+    rl.check("a")
+    with pytest.raises(RateLimited):
+        rl.check("a")
+
+
+def test_pool_signature_and_invites():
+    owner, trainer, other = Identity.generate(), Identity.generate(), Identity.generate()
+    cfg = PoolConfig(pool_id="p", model="tiny", trainer_public_key=trainer.public_key)
+    pool = open_pool(sign_pool(owner, cfg))
+    assert pool.config == cfg and pool.owner_key == owner.public_key
+    tampered = bytearray(sign_pool(owner, cfg))
+    tampered[-70] ^= 1
+    with pytest.raises(PoolError):
+        open_pool(bytes(tampered))
+    token = base64.urlsafe_b64decode(make_invite(owner, "p", ttl_s=60))
+    assert check_invite(token, pool, "anyone").pool_id == "p"
+    with pytest.raises(PoolError, match="not trusted"):
+        check_invite(base64.urlsafe_b64decode(make_invite(other, "p", 60)), pool, "x")
+    with pytest.raises(PoolError, match="expired"):
+        check_invite(base64.urlsafe_b64decode(make_invite(owner, "p", -1)), pool, "x")
+
+
+def test_configs_fail_fast_with_clear_messages(tmp_path):
+    with pytest.raises(ConfigError, match="pool file .* not found"):
+        load_config(SchedulerConfig, ["--pool-file", str(tmp_path / "missing.pool")])
+    pool_file = tmp_path / "p.pool"
+    pool_file.write_bytes(b"x")
+    with pytest.raises(ConfigError, match="async driver"):
+        load_config(
+            SchedulerConfig, ["--pool-file", str(pool_file), "--database.url", "sqlite:///x.db"]
+        )
+    with pytest.raises(ConfigError, match="unhealthy_after_s < dead_after_s"):
+        load_config(
+            SchedulerConfig,
+            ["--pool-file", str(pool_file), "--lifecycle.dead-after-s", "5"],
+        )
+    with pytest.raises(ConfigError, match="Extra inputs"):
+        load_config(SchedulerConfig, ["--pool-file", str(pool_file), "--no-such-key", "1"])
+    with pytest.raises(ConfigError, match="needs admission.allowlist"):
+        load_config(
+            PoolCreateConfig,
+            [
+                "--pool-id",
+                "p",
+                "--trainer",
+                Identity.generate().node_id,
+                "--admission.mode",
+                "allowlist",
+            ],
+        )
+    with pytest.raises(ConfigError, match="trainer must be a node id"):
+        load_config(PoolCreateConfig, ["--pool-id", "p", "--trainer", "not-a-key"])
+
+
+def test_scheduler_never_imports_torch():
+    import subprocess
+
+    code = "import scheduler.server, scheduler.cli, sys; print('torch' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "False"
