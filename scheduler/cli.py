@@ -114,6 +114,9 @@ def pool_invite(
     except (PoolError, OSError) as exc:
         console.print(f"[red]{exc}[/red]")
         raise typer.Exit(2) from exc
+    if not owner_key.expanduser().is_file():
+        console.print(f"[red]owner key {owner_key} not found[/red]")
+        raise typer.Exit(2)
     owner = Identity.load_or_create(owner_key.expanduser())
     if owner.public_key != pool.owner_key:
         console.print(f"[red]{owner_key} is not the owner key of pool {pool.config.pool_id}[/red]")

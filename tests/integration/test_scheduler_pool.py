@@ -68,6 +68,53 @@ def check_delivered_once_and_verified(
         assert final.sender_id != rollout.sender_id, "verified by its own generator"
 
 
+def check_audit_records(pool: Pool, expected: int) -> None:
+    """Every verdict is on record with the generator's and the verifier's signatures."""
+    import sqlite3
+
+    db_path = pool.db_url.split("///", 1)[1]
+    rows = sqlite3.connect(db_path).execute(
+        "SELECT generator_id, verifier_id, accepted, rollout_envelope, verdict_envelope FROM verdicts"
+    )
+    n = 0
+    for generator_id, verifier_id, accepted, rollout_env, verdict_env in rows:
+        rollout = open_envelope(rollout_env, Rollout, check_expiry=False)
+        verdict = open_envelope(verdict_env, Verdict, check_expiry=False)
+        assert rollout.sender_id == generator_id and verdict.sender_id == verifier_id
+        assert verdict.message.rollout_digest == rollout.message.digest()
+        assert bool(accepted) == verdict.message.accepted
+        n += 1
+    assert n == expected
+
+
+async def run_verifiers_env(url: str) -> set[str]:
+    """Six single-turn episodes through the scheduler; returns the rollout id of each turn."""
+    import os
+
+    import verifiers as vf
+    from datasets import Dataset
+
+    os.environ["PRIME_TEST_API_KEY"] = "unused"
+    ds = Dataset.from_list([{"question": q, "answer": q[::-1]} for q in ("abc", "swarm", "node")])
+    env = vf.SingleTurnEnv(dataset=ds, rubric=vf.Rubric(funcs=[lambda completion, **_: 1.0]))
+    out = await env.evaluate(
+        client=vf.ClientConfig(api_base_url=f"{url}/v1", api_key_var="PRIME_TEST_API_KEY"),
+        model="tiny",
+        sampling_args={"logprobs": True, "max_tokens": 8, "extra_body": {"return_token_ids": True}},
+        num_examples=3,
+        rollouts_per_example=2,
+        state_columns=["trajectory"],
+    )
+    ids = set()
+    for o in out["outputs"]:
+        assert not o["error"], o["error"]
+        for turn in o["trajectory"]:
+            assert turn["tokens"] is not None, "token ids missing: verifiers dropped them"
+            ids.add(turn["response"].id.removeprefix("chatcmpl-"))
+    assert len(ids) == 6
+    return ids
+
+
 @pytest.fixture
 def pool(tmp_path):
     p = make_pool(tmp_path)
@@ -104,6 +151,13 @@ async def test_three_workers_serve_200_requests_verified_exactly_once(pool: Pool
         assert {r.request_id for r in more} == rollout_ids
         assert {(r.source, r.status) for r in more} == {("openai", "accepted")}
         await oai.close()
+
+        # A verifiers environment pointed at the scheduler: every turn's response id names
+        # the rollout whose verdict then arrives in the stream.
+        turn_ids = await run_verifiers_env(pool.url)
+        verdicts = await collect(client, len(turn_ids), 60, after=more[-1].seq)
+        assert {r.request_id for r in verdicts} == turn_ids
+        assert {r.status for r in verdicts} == {"accepted"}
     state = pool.state()
     assert {n["state"] for n in state["nodes"]} == {"healthy"}
     assert sum(n["generated"] for n in state["nodes"]) >= 203
@@ -131,6 +185,24 @@ async def test_worker_killed_mid_run_loses_and_duplicates_nothing(pool: Pool):
     metrics = httpx.get(f"{pool.url}/metrics", timeout=10).text
     retries = float(re.search(r"^prime_scheduler_dispatch_retries_total (\S+)$", metrics, re.M)[1])
     assert retries > 0, "the killed worker's requests were never re-dispatched"
+
+
+async def test_spot_check_rate_zero_releases_unverified_from_a_single_node(tmp_path):
+    from tests.pools import tiny_verification
+
+    verification = tiny_verification().model_copy(update={"spot_check_rate": 0.0})
+    pool = make_pool(tmp_path, verification=verification)
+    try:
+        pool.start_scheduler()
+        pool.join("solo")  # no second node: only a pool that skips verification can serve
+        async with pool.client() as client:
+            await client.submit(specs(20))
+            results = await collect(client, 20, 120)
+        assert len({r.request_id for r in results}) == 20
+        assert {(r.status, r.detail) for r in results} == {("accepted", "unverified (spot check)")}
+        assert all(r.verdict_envelopes == [] for r in results)
+    finally:
+        pool.close()
 
 
 @pytest.mark.parametrize("backend", ["sqlite", "postgresql"])
@@ -187,6 +259,7 @@ async def test_dishonest_generators_are_banned_and_dishonest_verifier_loses_disp
             assert state[node_id]["reputation"] < 0.3
         totals = pool.state()["totals"]
         print(f"\ndishonest pool: {totals}")
+        check_audit_records(pool, totals["verifications"])
         # A banned node's process is told so at its next heartbeat and exits with status 3.
         for name in ("tamper", "forge", "rejecter"):
             assert pool.nodes[name].proc.wait(30) == 3
