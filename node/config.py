@@ -149,7 +149,8 @@ class JoinConfig(PrimeSettings):
     pool: str = Field(min_length=1, max_length=64)
     """Id of the pool to join; the scheduler's signed pool config must name this id."""
     scheduler: str
-    """Base URL of the pool's scheduler (http:// or https://)."""
+    """Base URL of the pool's scheduler (http:// or https://); several replicas as a
+    comma-separated list (the node moves to the next one when one fails or is on standby)."""
     operator: str = Field("", max_length=128)
     """Operator label; a node never verifies rollouts of nodes with the same operator."""
     advertise_url: str = ""
@@ -177,9 +178,15 @@ class JoinConfig(PrimeSettings):
     @field_validator("scheduler", "advertise_url")
     @classmethod
     def check_http_url(cls, v: str) -> str:
-        if v and not v.startswith(("http://", "https://")):
-            raise ValueError(f"{v!r} must start with http:// or https://")
-        return v.rstrip("/")
+        urls = [u.strip().rstrip("/") for u in v.split(",")] if v else []
+        for u in urls:
+            if not u.startswith(("http://", "https://")):
+                raise ValueError(f"{u!r} must start with http:// or https://")
+        return ",".join(urls)
+
+    @property
+    def scheduler_urls(self) -> list[str]:
+        return self.scheduler.split(",")
 
     @field_validator("owner")
     @classmethod

@@ -94,7 +94,12 @@ def _backoff(attempt: int, cap: float = math.inf) -> float:
     return min(cap, 0.5 * 2**attempt)
 
 
-async def _with_retries(fn: Callable[[], Awaitable[T]], attempts: int, what: str) -> T:
+async def _with_retries(
+    fn: Callable[[], Awaitable[T]],
+    attempts: int,
+    what: str,
+    on_retry: Callable[[], None] | None = None,
+) -> T:
     """Await `fn()` up to `attempts` times while it fails retryably; re-raise the last error."""
     for attempt in range(attempts):
         try:
@@ -102,6 +107,8 @@ async def _with_retries(fn: Callable[[], Awaitable[T]], attempts: int, what: str
         except Exception as exc:
             if not _retryable(exc) or attempt == attempts - 1:
                 raise
+            if on_retry is not None:
+                on_retry()
             delay = _backoff(attempt)
             log.warning("%s failed (%s); retrying in %.1f s", what, _describe(exc), delay)
             await asyncio.sleep(delay)
@@ -122,11 +129,17 @@ async def _get_bytes(session: aiohttp.ClientSession, url: str) -> bytes:
 
 async def fetch_pool(session: aiohttp.ClientSession, cfg: JoinConfig) -> tuple[PoolConfig, bytes]:
     """The scheduler's owner-signed pool config and the owner's key, after the node's checks."""
-    url = f"{cfg.scheduler}/v1/pool"
+    urls = cfg.scheduler_urls
+    tries = iter(range(10**9))
+    url = f"{urls[0]}/v1/pool"
+
+    def attempt() -> Awaitable[bytes]:
+        nonlocal url
+        url = f"{urls[next(tries) % len(urls)]}/v1/pool"  # replicas in turn
+        return _get_bytes(session, url)
+
     try:
-        raw = await _with_retries(
-            lambda: _get_bytes(session, url), cfg.startup_attempts, f"GET {url}"
-        )
+        raw = await _with_retries(attempt, max(cfg.startup_attempts, len(urls)), "GET /v1/pool")
     except Exception as exc:
         if isinstance(exc, RemoteError) and not _retryable(exc):
             raise JoinError(f"GET {url} failed: {exc}") from exc
@@ -205,9 +218,17 @@ class PoolNode:
         # Set at the first register attempt: from then on, a stop deregisters (the
         # scheduler may have admitted the node even if its answer never arrived).
         self.register_sent = False
+        self.current = 0  # index into cfg.scheduler_urls
 
     def _url(self, route: str) -> str:
-        return f"{self.cfg.scheduler}{route}"
+        return f"{self.cfg.scheduler_urls[self.current]}{route}"
+
+    def _next_scheduler(self) -> None:
+        """Move to the next scheduler replica (after a failure or a standby's 503)."""
+        urls = self.cfg.scheduler_urls
+        if len(urls) > 1:
+            self.current = (self.current + 1) % len(urls)
+            log.info("trying scheduler replica %s", urls[self.current])
 
     # -- start ---------------------------------------------------------------------
     async def live(self) -> None:
@@ -312,7 +333,12 @@ class PoolNode:
             return call(self.session, url, self.identity, request, RegisterResponse)
 
         try:
-            opened, _ = await _with_retries(attempt, attempts, "register")
+            opened, _ = await _with_retries(
+                attempt,
+                max(attempts, len(self.cfg.scheduler_urls)),
+                "register",
+                self._next_scheduler,
+            )
         except RemoteError as exc:
             if _retryable(exc):
                 raise
@@ -409,6 +435,7 @@ class PoolNode:
                     _describe(exc),
                     failures,
                 )
+                self._next_scheduler()
             await asyncio.sleep(
                 self.interval if failures == 0 else _backoff(failures - 1, self.interval)
             )

@@ -11,13 +11,14 @@ retried for up to `retry_s` (both routes are safe to repeat); other errors raise
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Sequence
+import json
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from typing import TypeVar
 
 import aiohttp
 from pydantic import BaseModel
 
-from protocol.client import RemoteError, call
+from protocol.client import RemoteError, call, post_raw
 from protocol.envelope import seal
 from protocol.identity import Identity
 from protocol.messages import (
@@ -31,6 +32,7 @@ from protocol.messages import (
 )
 
 M = TypeVar("M", bound=BaseModel)
+T = TypeVar("T")
 
 
 class SchedulerClient:
@@ -42,7 +44,9 @@ class SchedulerClient:
         timeout_s: float = 120.0,
         retry_s: float = 300.0,
     ):
-        self.url = url.rstrip("/")
+        # Several replicas: "http://a:7000,http://b:7000"; the client moves on when one fails.
+        self.urls = [u.strip().rstrip("/") for u in url.split(",")]
+        self.current = 0
         self.identity = identity
         self.pool_id = pool_id
         self.retry_s = retry_s
@@ -57,22 +61,32 @@ class SchedulerClient:
     async def __aexit__(self, *exc) -> None:
         await self.close()
 
-    async def _call(self, route: str, message: BaseModel, response: type[M]) -> M:
+    async def _retrying(self, attempt: Callable[[str], Awaitable[T]]) -> T:
+        """Run `attempt(base_url)`, moving across replicas and waiting out restarts and 503s."""
         loop = asyncio.get_running_loop()
         deadline = loop.time() + self.retry_s
         while True:
             try:
-                opened, _ = await call(
-                    self.session, self.url + route, self.identity, message, response
-                )
-                return opened.message
+                return await attempt(self.url)
             except RemoteError as exc:
                 if exc.status != 503 or loop.time() > deadline:
                     raise
             except aiohttp.ClientConnectionError:
                 if loop.time() > deadline:
                     raise
-            await asyncio.sleep(1.0)
+            self.current = (self.current + 1) % len(self.urls)
+            await asyncio.sleep(1.0 if self.current == 0 else 0.1)
+
+    @property
+    def url(self) -> str:
+        return self.urls[self.current]
+
+    async def _call(self, route: str, message: BaseModel, response: type[M]) -> M:
+        async def attempt(url: str) -> M:
+            opened, _ = await call(self.session, url + route, self.identity, message, response)
+            return opened.message
+
+        return await self._retrying(attempt)
 
     async def submit(self, specs: Sequence[RolloutSpec]) -> SubmitAck:
         """Submit a batch (durable when this returns); known request ids are ignored."""
@@ -92,12 +106,10 @@ class SchedulerClient:
             after = page.last_seq
 
     async def publish_weights(self, update: WeightUpdate) -> int:
-        async with self.session.post(
-            f"{self.url}/v1/weights",
-            data=seal(self.identity, update),
-            headers={"Content-Type": "application/msgpack"},
-        ) as resp:
-            body = await resp.json()
-            if resp.status >= 300:
-                raise RemoteError(resp.status, body.get("error", {}).get("message", str(body)))
-            return int(body["weights_version"])
+        """Make `update` the pool's current weights (nodes get it with their next heartbeat)."""
+
+        async def attempt(url: str) -> int:
+            raw = await post_raw(self.session, f"{url}/v1/weights", seal(self.identity, update))
+            return int(json.loads(raw)["weights_version"])
+
+        return await self._retrying(attempt)

@@ -108,6 +108,19 @@ class RateLimitConfig(Section):
     """Addresses never rate limited per address (a load balancer, a benchmark driver)."""
 
 
+class ReplicaConfig(Section):
+    """Several scheduler processes on one PostgreSQL database: one active, the others on
+    standby. They must share `key_file` (nodes accept work signed by that key) and the pool
+    file; nodes and orchestrators list all of them (`--scheduler URL1,URL2`)."""
+
+    lease_s: float = Field(10.0, gt=0.5, le=600)
+    """The active replica renews its lease this often x3; a standby takes over once the
+    lease has not been renewed for this long. An active replica that cannot renew stops."""
+    replica_id: str = Field("", max_length=200)
+    """This replica's name in the lease ('' = host:port of this process); a restarted
+    process with the same name takes its lease back at once."""
+
+
 class SchedulerConfig(PrimeSettings):
     """The scheduler daemon of one pool."""
 
@@ -125,6 +138,8 @@ class SchedulerConfig(PrimeSettings):
     """Dispatch, retries, timeouts, backpressure."""
     rate_limits: RateLimitConfig = RateLimitConfig()
     """Flood protection."""
+    replica: ReplicaConfig = ReplicaConfig()
+    """Active/standby replicas on one database."""
     log_dir: Path = Path("runs/scheduler/logs")
     """Where the resolved config and logs go."""
 

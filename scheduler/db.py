@@ -22,6 +22,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import time
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
@@ -41,7 +42,9 @@ from sqlalchemy import (
     Text,
     event,
     func,
+    or_,
     select,
+    update,
 )
 from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine, create_async_engine
@@ -133,6 +136,15 @@ kv = Table(
     metadata,
     Column("key", String(64), primary_key=True),
     Column("value", LargeBinary, nullable=False),
+)
+
+# Leader election between scheduler replicas sharing one database (migration 0002).
+leases = Table(
+    "leases",
+    metadata,
+    Column("name", String(32), primary_key=True),
+    Column("holder", String(256), nullable=False),
+    Column("expires", Float, nullable=False),
 )
 
 MIGRATIONS = Path(__file__).with_name("migrations")
@@ -262,6 +274,25 @@ async def _execute_grouped(conn: AsyncConnection, batch) -> None:
         params = [p for _, p, _ in batch[i:j]]
         await conn.execute(stmt, params if len(params) > 1 else params[0])
         i = j
+
+
+async def try_lease(engine: AsyncEngine, name: str, holder: str, ttl_s: float) -> str:
+    """Take or renew lease `name` for `holder` unless another holder's lease is live.
+
+    Returns the holder after the attempt (== `holder` on success). Atomic on SQLite and
+    PostgreSQL: one conditional UPDATE decides.
+    """
+    now = time.time()
+    async with engine.begin() as conn:
+        await conn.execute(
+            insert_ignoring_duplicates(engine, leases), {"name": name, "holder": "", "expires": 0.0}
+        )
+        await conn.execute(
+            update(leases)
+            .where(leases.c.name == name, or_(leases.c.holder == holder, leases.c.expires < now))
+            .values(holder=holder, expires=now + ttl_s)
+        )
+        return (await conn.execute(select(leases.c.holder).where(leases.c.name == name))).scalar()
 
 
 async def max_seq(conn: AsyncConnection) -> int:

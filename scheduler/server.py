@@ -17,6 +17,10 @@ Invariants:
   heartbeats are kept in memory and written in batches.
 - A node silent past `unhealthy_after_s` gets no work; past `dead_after_s` it is dead and
   its in-flight work is re-dispatched.
+- Replicas: only the holder of the database lease loads state and serves; a standby answers
+  503 (except /health and /v1/pool) until the lease is free, then takes over exactly like a
+  restart. An active replica that cannot renew its lease exits at once, so two replicas
+  never dispatch together.
 """
 
 from __future__ import annotations
@@ -24,6 +28,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
+import socket
 import time
 from pathlib import Path
 
@@ -60,6 +66,9 @@ from scheduler.registry import NodeRecord, Registry
 
 log = logging.getLogger("prime.scheduler")
 SEEN_FLUSH_S = 5.0
+LEASE = "scheduler"
+STANDBY_ROUTES = frozenset({"/health", "/v1/pool"})
+EXIT_LOST_LEASE = 75
 
 
 class SchedulerServer:
@@ -91,6 +100,9 @@ class SchedulerServer:
         self.weights_version = 0
         self._seen_dirty: set[str] = set()
         self._tasks: list[asyncio.Task] = []
+        self.replica_id = cfg.replica.replica_id or (f"{socket.gethostname()}:{cfg.server.port}")
+        self.active = False
+        self.lease_holder = ""
 
     # -- app -------------------------------------------------------------------------
     def app(self) -> web.Application:
@@ -99,6 +111,7 @@ class SchedulerServer:
             middlewares=[
                 self.metrics.error_middleware(),
                 error_middleware(log, {RateLimited: 429, Refused: 403, ValueError: 400}),
+                self._standby_guard,
                 self._address_limit,
             ],
         )
@@ -124,16 +137,52 @@ class SchedulerServer:
     async def _on_startup(self, _app) -> None:
         await db.migrate(self.engine, self.cfg.database.url)
         self.writer.start()
+        if await self._renew_lease():
+            await self._activate()
+        else:
+            log.info("standby: replica %s holds the pool's lease", self.lease_holder)
+        self._tasks.append(asyncio.create_task(self._lease_loop(), name="lease"))
+
+    async def _renew_lease(self) -> bool:
+        ttl = self.cfg.replica.lease_s
+        self.lease_holder = await db.try_lease(self.engine, LEASE, self.replica_id, ttl)
+        return self.lease_holder == self.replica_id
+
+    async def _lease_loop(self) -> None:
+        ttl = self.cfg.replica.lease_s
+        last_renewed = time.monotonic()
+        while True:
+            await asyncio.sleep(ttl / 3)
+            try:
+                held = await self._renew_lease()
+            except Exception as exc:  # noqa: BLE001 - a database outage is handled below
+                log.warning("lease renewal failed: %s", exc)
+                held = False
+            if held:
+                last_renewed = time.monotonic()
+                if not self.active:
+                    log.info("the previous active replica is gone: taking over")
+                    await self._activate()
+            elif self.active and (
+                self.lease_holder != self.replica_id or time.monotonic() - last_renewed > ttl * 0.8
+            ):
+                # Another replica may take over any moment now: stop before it does.
+                log.critical("lost the scheduler lease (holder: %s): exiting", self.lease_holder)
+                os._exit(EXIT_LOST_LEASE)
+
+    async def _activate(self) -> None:
         await self._load_state()
         await self.dispatcher.start()
         self.openai.start()
-        self._tasks = [
+        self._tasks += [
             asyncio.create_task(self._monitor(), name="monitor"),
             asyncio.create_task(self._flush_seen(), name="flush-seen"),
         ]
+        self.active = True
         log.info(
-            "scheduler %s serving pool %s (%d nodes known, weights v%d)",
+            "scheduler %s (replica %s) serving pool %s (%d nodes known, weights v%d)",
             self.identity.node_id,
+            self.replica_id,
             self.pool_id,
             len(self.registry.nodes),
             self.weights_version,
@@ -145,9 +194,10 @@ class SchedulerServer:
         for t in self._tasks:
             with contextlib.suppress(asyncio.CancelledError):
                 await t
-        await self.openai.stop()
-        await self.dispatcher.stop()
-        self._write_seen()
+        if self.active:
+            await self.openai.stop()
+            await self.dispatcher.stop()
+            self._write_seen()
         await self.writer.stop()
         await self.engine.dispose()
 
@@ -173,6 +223,15 @@ class SchedulerServer:
         self.weights_version = update.version
 
     # -- middleware and helpers -------------------------------------------------------
+    @web.middleware
+    async def _standby_guard(self, request: web.Request, handler):
+        if not self.active and request.path not in STANDBY_ROUTES:
+            raise web.HTTPServiceUnavailable(
+                text=f"standby replica: the active scheduler is {self.lease_holder}",
+                headers={"Retry-After": "1"},
+            )
+        return await handler(request)
+
     @web.middleware
     async def _address_limit(self, request: web.Request, handler):
         address = request.remote or ""
@@ -207,7 +266,8 @@ class SchedulerServer:
     async def health(self, _request: web.Request) -> web.Response:
         return web.json_response(
             {
-                "status": "ok",
+                "status": "ok" if self.active else "standby",
+                "replica": self.replica_id,
                 "pool_id": self.pool_id,
                 "scheduler_id": self.identity.node_id,
                 "nodes": self.registry.counts(),

@@ -50,15 +50,26 @@ class Pool:
     scheduler: ManagedProcess | None = None
     nodes: dict[str, ManagedProcess] = field(default_factory=dict)
     scheduler_args: tuple[str, ...] = ()
+    replica_ports: list[int] = field(default_factory=list)
+    replicas: list[ManagedProcess] = field(default_factory=list)
 
     @property
     def url(self) -> str:
         return f"http://127.0.0.1:{self.port}"
 
-    def client(self) -> SchedulerClient:
-        return SchedulerClient(self.url, self.trainer, self.pool_id)
+    @property
+    def urls(self) -> str:
+        """Every scheduler replica, as nodes and clients take them (comma-separated)."""
+        ports = [self.port, *self.replica_ports]
+        return ",".join(f"http://127.0.0.1:{p}" for p in ports)
 
-    def start_scheduler(self, *args: str, log_name: str = "scheduler") -> ManagedProcess:
+    def client(self) -> SchedulerClient:
+        return SchedulerClient(self.urls, self.trainer, self.pool_id)
+
+    def start_scheduler(
+        self, *args: str, log_name: str = "scheduler", port: int | None = None
+    ) -> ManagedProcess:
+        """Start (or restart) the scheduler; `port` starts a replica on another port."""
         self.scheduler_args = args or self.scheduler_args
         cmd = [
             sys.executable,
@@ -72,20 +83,25 @@ class Pool:
             "--database.url",
             self.db_url,
             "--server.port",
-            str(self.port),
+            str(port or self.port),
             "--log-dir",
             str(self.workdir / "scheduler-logs"),
             *self.scheduler_args,
         ]
-        self.scheduler = ManagedProcess.start(
+        child = ManagedProcess.start(
             log_name,
             cmd,
-            f"{self.url}/health",
+            f"http://127.0.0.1:{port or self.port}/health",
             self.workdir / f"{log_name}.log",
             cwd=REPO,
             timeout_s=60,
         )
-        return self.scheduler
+        if port is None:
+            self.scheduler = child
+        else:
+            self.replica_ports.append(port)
+            self.replicas.append(child)
+        return child
 
     def join(
         self,
@@ -108,7 +124,7 @@ class Pool:
             "--pool",
             self.pool_id,
             "--scheduler",
-            self.url,
+            self.urls,
             "--key-file",
             str(key),
             "--log-dir",
@@ -170,8 +186,9 @@ class Pool:
     def close(self) -> None:
         for child in self.nodes.values():
             child.kill9()
-        if self.scheduler is not None:
-            self.scheduler.stop()
+        for child in [self.scheduler, *self.replicas]:
+            if child is not None:
+                child.stop()
 
 
 def make_pool(

@@ -1,0 +1,29 @@
+"""Leases: leader election between scheduler replicas sharing one database.
+
+Revision ID: 0002
+Revises: 0001
+Create Date: 2026-11-29
+"""
+
+from __future__ import annotations
+
+import sqlalchemy as sa
+from alembic import op
+
+revision = "0002"
+down_revision = "0001"
+branch_labels = None
+depends_on = None
+
+
+def upgrade() -> None:
+    op.create_table(
+        "leases",
+        sa.Column("name", sa.String(32), primary_key=True),
+        sa.Column("holder", sa.String(256), nullable=False),
+        sa.Column("expires", sa.Float, nullable=False),
+    )
+
+
+def downgrade() -> None:
+    op.drop_table("leases")
