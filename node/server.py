@@ -25,14 +25,12 @@ from the trainer's push or relayed by the scheduler (`load_relayed_weights`).
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import os
 import uuid
 from collections import OrderedDict
 
 from aiohttp import web
-from pydantic import BaseModel, ValidationError
 
 from node.openai_api import (
     ChatCompletionRequest,
@@ -43,42 +41,12 @@ from node.openai_api import (
     truncate_at_stop,
 )
 from node.worker import RequestRejected, Worker
-from protocol.codec import CodecError
-from protocol.envelope import EnvelopeError, ReplayCache, open_envelope
+from protocol.envelope import ReplayCache, open_envelope
+from protocol.http import MSGPACK, error_middleware, read_json
 from protocol.identity import public_key_from_node_id
 from protocol.messages import MAX_SEED, RolloutRequest, VerifyRequest, WeightReload, WeightUpdate
 
 log = logging.getLogger("prime.node.server")
-MSGPACK = "application/msgpack"
-
-
-def _error(status: int, message: str, kind: str = "invalid_request_error") -> web.Response:
-    return web.json_response(
-        {"error": {"message": message, "type": kind, "code": status}}, status=status
-    )
-
-
-@web.middleware
-async def error_middleware(request: web.Request, handler):
-    try:
-        return await handler(request)
-    except web.HTTPException as exc:
-        if exc.status < 400:
-            raise
-        log.warning("%s %s -> %d %s", request.method, request.path, exc.status, exc.reason)
-        return _error(exc.status, exc.text or exc.reason)
-    except EnvelopeError as exc:
-        log.warning("%s %s -> %d %s", request.method, request.path, exc.status, exc)
-        return _error(exc.status, str(exc), "authentication_error")
-    except (CodecError, RequestRejected) as exc:
-        log.warning("%s %s -> 400 %s", request.method, request.path, exc)
-        return _error(400, str(exc))
-    except ValidationError as exc:
-        msg = "; ".join(
-            f"{'.'.join(map(str, e['loc'])) or 'body'}: {e['msg']}" for e in exc.errors()[:5]
-        )
-        log.warning("%s %s -> 400 %s", request.method, request.path, msg)
-        return _error(400, msg)
 
 
 class NodeServer:
@@ -108,7 +76,10 @@ class NodeServer:
         self.in_flight = 0
 
     def app(self) -> web.Application:
-        app = web.Application(client_max_size=self.max_body_bytes, middlewares=[error_middleware])
+        app = web.Application(
+            client_max_size=self.max_body_bytes,
+            middlewares=[error_middleware(log, {RequestRejected: 400})],
+        )
         app.add_routes(
             [
                 web.get("/health", self.health),
@@ -134,16 +105,6 @@ class NodeServer:
         await self.worker.stop()
 
     # -- helpers -------------------------------------------------------------------
-    async def _json(self, request: web.Request, model: type[BaseModel]) -> BaseModel:
-        raw = await request.read()
-        try:
-            body = json.loads(raw)
-        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-            raise CodecError(f"malformed JSON: {exc}") from exc
-        if not isinstance(body, dict):
-            raise CodecError("request body must be a JSON object")
-        return model.model_validate(body)
-
     async def _limited(self, coro):
         if self.slots.locked():
             coro.close()
@@ -235,13 +196,13 @@ class NodeServer:
         )
 
     async def chat_completions(self, request: web.Request) -> web.Response:
-        body = await self._json(request, ChatCompletionRequest)
+        body = await read_json(request, ChatCompletionRequest)
         rreq = self._request(self._chat_ids(body.messages), body)
         top = body.top_logprobs if body.logprobs else 0
         return await self._openai_generate(rreq, top, chat_response, body.logprobs)
 
     async def completions(self, request: web.Request) -> web.Response:
-        body = await self._json(request, CompletionRequest)
+        body = await read_json(request, CompletionRequest)
         tok = self.worker.engine.tokenizer
         ids = (
             body.prompt
@@ -256,7 +217,7 @@ class NodeServer:
         )
 
     async def tokenize(self, request: web.Request) -> web.Response:
-        body = await self._json(request, TokenizeRequest)
+        body = await read_json(request, TokenizeRequest)
         tok = self.worker.engine.tokenizer
         if body.messages is not None:
             ids = self._chat_ids(body.messages, body.add_generation_prompt)

@@ -63,10 +63,13 @@ def _signed_part(
 
 def seal(identity: Identity, message: BaseModel, ttl_s: float = DEFAULT_TTL_S) -> bytes:
     """Sign `message` with `identity` and return the envelope bytes."""
-    body = encode(message)
+    return seal_body(identity, type(message).__name__, encode(message), ttl_s)
+
+
+def seal_body(identity: Identity, kind: str, body: bytes, ttl_s: float = DEFAULT_TTL_S) -> bytes:
+    """Sign an already encoded body of message type `kind` (tests use it to sign bad bodies)."""
     nonce = os.urandom(16)
     expires = time.time() + ttl_s
-    kind = type(message).__name__
     sig = identity.sign(
         _signed_part(PROTOCOL_VERSION, identity.public_key, nonce, expires, kind, body)
     )

@@ -21,6 +21,13 @@ from protocol.codec import encode
 MAX_SEED = 2**63 - 1
 
 
+def check_token_ids_non_negative(cls, v: list[int]) -> list[int]:
+    """Validator shared by every message carrying token ids."""
+    if any(t < 0 for t in v):
+        raise ValueError("token ids must be non-negative")
+    return v
+
+
 class Message(BaseModel):
     """Base of all wire messages: frozen, no unknown fields, field docstrings as docs."""
 
@@ -84,12 +91,7 @@ class RolloutRequest(Message):
     proof: ProofParams = ProofParams()
     """Proof layout the pool asks for."""
 
-    @field_validator("prompt_ids")
-    @classmethod
-    def check_token_ids_non_negative(cls, v: list[int]) -> list[int]:
-        if any(t < 0 for t in v):
-            raise ValueError("token ids must be non-negative")
-        return v
+    _check_prompt_ids = field_validator("prompt_ids")(check_token_ids_non_negative)
 
 
 FinishReason = Literal["stop", "length"]
@@ -323,12 +325,7 @@ class RolloutSpec(Message):
     min_version: int = Field(0, ge=0)
     """Lowest admissible weights version for the generator."""
 
-    @field_validator("prompt_ids")
-    @classmethod
-    def check_token_ids_non_negative(cls, v: list[int]) -> list[int]:
-        if any(t < 0 for t in v):
-            raise ValueError("token ids must be non-negative")
-        return v
+    _check_prompt_ids = field_validator("prompt_ids")(check_token_ids_non_negative)
 
 
 class SubmitRollouts(Message):

@@ -263,26 +263,8 @@ def test_bad_input_on_every_route_gets_4xx_and_daemon_keeps_serving(invite_pool)
 
 def _raw_envelope(identity: Identity, kind: str, body: dict) -> bytes:
     """A correctly signed envelope around a body that is not a valid message."""
-    import os
-    import time
-
     from protocol import PROTOCOL_VERSION
     from protocol.codec import pack
-    from protocol.envelope import _signed_part
+    from protocol.envelope import seal_body
 
-    raw = pack({"v": PROTOCOL_VERSION, "t": kind, "b": body})
-    nonce, expires = os.urandom(16), time.time() + 60
-    sig = identity.sign(
-        _signed_part(PROTOCOL_VERSION, identity.public_key, nonce, expires, kind, raw)
-    )
-    return pack(
-        {
-            "v": PROTOCOL_VERSION,
-            "sender": identity.public_key,
-            "nonce": nonce,
-            "expires": expires,
-            "kind": kind,
-            "body": raw,
-            "sig": sig,
-        }
-    )
+    return seal_body(identity, kind, pack({"v": PROTOCOL_VERSION, "t": kind, "b": body}))
