@@ -10,6 +10,7 @@ Invariants:
 
 from __future__ import annotations
 
+import functools
 import os
 import stat
 from dataclasses import dataclass
@@ -55,10 +56,16 @@ def public_key_from_node_id(node_id: str) -> bytes:
     return raw[len(prefix) :]
 
 
+@functools.lru_cache(maxsize=65536)
+def _public_key(public_key: bytes) -> Ed25519PublicKey:
+    # Parsing a key costs as much as half a verification; senders repeat.
+    return Ed25519PublicKey.from_public_bytes(public_key)
+
+
 def verify_signature(public_key: bytes, signature: bytes, data: bytes) -> bool:
     """True when `signature` is `public_key`'s Ed25519 signature of `data`."""
     try:
-        Ed25519PublicKey.from_public_bytes(public_key).verify(signature, data)
+        _public_key(public_key).verify(signature, data)
     except (InvalidSignature, ValueError):
         return False
     return True

@@ -11,7 +11,9 @@ Invariants:
   sends later.
 - A generator is a healthy node with spare capacity whose weights version is at least the
   request's `min_version`; among those, the one with the fewest outstanding tokens per unit
-  of reputation wins.
+  of reputation wins. Up to `EXACT_UP_TO` healthy nodes every one is compared; in a larger
+  pool the best of `SAMPLE` random eligible nodes wins (power-of-d choices: near-perfect
+  balance at O(1) per request instead of a scan of the whole pool).
 - A verifier (or a dispute's judge) is never the generator, never of the generator's
   operator (nor of the first verifier's, for a judge), holds exactly the weights the
   rollout claims, and is picked at random among the eligible (the generator cannot
@@ -27,6 +29,9 @@ from dataclasses import dataclass, field
 from protocol.messages import NodeState, ReputationPolicy
 
 _rng = secrets.SystemRandom()
+EXACT_UP_TO = 64
+SAMPLE = 16
+HEALTHY_CACHE_S = 0.2
 
 
 @dataclass
@@ -92,6 +97,8 @@ class Registry:
     def __init__(self, policy: ReputationPolicy):
         self.policy = policy
         self.nodes: dict[str, NodeRecord] = {}
+        self._healthy: list[NodeRecord] = []
+        self._healthy_at = -1.0
 
     def get(self, node_id: str) -> NodeRecord | None:
         return self.nodes.get(node_id)
@@ -138,21 +145,24 @@ class Registry:
         return False
 
     # -- choice ----------------------------------------------------------------------
+    def healthy(self) -> list[NodeRecord]:
+        """Healthy nodes, recomputed at most every HEALTHY_CACHE_S (callers re-check state)."""
+        now = time.monotonic()
+        if now - self._healthy_at > HEALTHY_CACHE_S:
+            self._healthy = [n for n in self.nodes.values() if n.state == "healthy"]
+            self._healthy_at = now
+        return self._healthy
+
+    def _candidates(self) -> list[NodeRecord]:
+        nodes = self.healthy()
+        return nodes if len(nodes) <= EXACT_UP_TO else _rng.sample(nodes, SAMPLE)
+
     def pick_generator(
         self, min_version: int, exclude: set[str] | frozenset[str] = frozenset()
     ) -> NodeRecord | None:
-        best, best_score = None, float("inf")
-        for n in self.nodes.values():
-            if (
-                n.state != "healthy"
-                or n.in_flight >= n.capacity
-                or n.weights_version < min_version
-                or n.node_id in exclude
-            ):
-                continue
-            score = (n.outstanding_tokens + 1) / max(n.reputation, 1e-3)
-            if score < best_score:
-                best, best_score = n, score
+        best = _least_loaded(self._candidates(), min_version, exclude)
+        if best is None and len(self.healthy()) > EXACT_UP_TO:
+            best = _least_loaded(self.healthy(), min_version, exclude)  # the sample was unlucky
         return best
 
     def pick_verifier(
@@ -160,13 +170,38 @@ class Registry:
     ) -> NodeRecord | None:
         ids = {n.node_id for n in exclude} | tried
         operators = {n.operator for n in exclude if n.operator}
-        eligible = [
-            n
-            for n in self.nodes.values()
-            if n.state == "healthy"
-            and n.node_id not in ids
-            and (not n.operator or n.operator not in operators)
-            and n.weights_hash == weights_hash
-            and n.in_flight < n.capacity
-        ]
-        return _rng.choice(eligible) if eligible else None
+
+        def eligible(n: NodeRecord) -> bool:
+            return (
+                n.state == "healthy"
+                and n.node_id not in ids
+                and (not n.operator or n.operator not in operators)
+                and n.weights_hash == weights_hash
+                and n.in_flight < n.capacity
+            )
+
+        nodes = self.healthy()
+        if len(nodes) > EXACT_UP_TO:
+            for n in _rng.sample(nodes, SAMPLE):  # uniform among the eligible, in O(1)
+                if eligible(n):
+                    return n
+        pool = [n for n in nodes if eligible(n)]
+        return _rng.choice(pool) if pool else None
+
+
+def _least_loaded(
+    nodes: list[NodeRecord], min_version: int, exclude: set[str] | frozenset[str]
+) -> NodeRecord | None:
+    best, best_score = None, float("inf")
+    for n in nodes:
+        if (
+            n.state != "healthy"
+            or n.in_flight >= n.capacity
+            or n.weights_version < min_version
+            or n.node_id in exclude
+        ):
+            continue
+        score = (n.outstanding_tokens + 1) / max(n.reputation, 1e-3)
+        if score < best_score:
+            best, best_score = n, score
+    return best

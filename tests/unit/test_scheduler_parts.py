@@ -234,3 +234,31 @@ def test_scheduler_never_imports_torch():
     code = "import scheduler.server, scheduler.cli, sys; print('torch' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"
+
+
+def test_large_pool_choice_is_sampled_but_balanced_and_never_ineligible():
+    reg = Registry(ReputationPolicy())
+    nodes = [node(i, capacity=1000) for i in range(1000)]
+    for i, n in enumerate(nodes):
+        n.outstanding_tokens = i  # n0 idlest ... n999 busiest
+        if i % 3 == 0:
+            n.weights_version = 1  # too old for min_version 2
+        reg.add(n)
+    picks = [reg.pick_generator(min_version=2) for _ in range(300)]
+    assert all(p.weights_version >= 2 for p in picks)
+    # Best of 16 random nodes: in the least loaded ~third of the pool almost always.
+    median_rank = sorted(p.outstanding_tokens for p in picks)[150]
+    assert median_rank < 150, median_rank
+    # Dispatching with load updates spreads work evenly instead of piling onto one node.
+    for n in nodes:
+        n.outstanding_tokens = 0
+    for _ in range(3000):
+        reg.pick_generator(min_version=0).outstanding_tokens += 10
+    loads = [n.outstanding_tokens // 10 for n in nodes]  # requests per node, 3 on average
+    assert max(loads) <= 4, max(loads)
+    # Only one eligible node among a thousand: the unlucky sample falls back to a scan.
+    for n in nodes[1:]:
+        n.state = "unhealthy"
+    reg._healthy_at = -1.0
+    assert reg.pick_generator(min_version=0) is nodes[0]
+    assert reg.pick_verifier("h", [nodes[0]], set()) is None
