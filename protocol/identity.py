@@ -17,14 +17,15 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import base58
-from cryptography.exceptions import InvalidSignature
-from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from cryptography.hazmat.primitives.serialization import (
     Encoding,
     NoEncryption,
     PrivateFormat,
     PublicFormat,
 )
+from nacl.bindings import crypto_sign_open
+from nacl.exceptions import BadSignatureError
 
 # protobuf PublicKey{Type: Ed25519 (1), Data: <32 bytes>} then multihash "identity" (0x00, len).
 _PROTO_ED25519_PREFIX = b"\x08\x01\x12\x20"
@@ -35,6 +36,7 @@ class IdentityError(ValueError):
     """A key file or public key that cannot be used."""
 
 
+@functools.lru_cache(maxsize=65536)
 def node_id_from_public_key(public_key: bytes) -> str:
     """The node id (libp2p peer id) of a raw 32-byte Ed25519 public key."""
     if len(public_key) != 32:
@@ -56,17 +58,17 @@ def public_key_from_node_id(node_id: str) -> bytes:
     return raw[len(prefix) :]
 
 
-@functools.lru_cache(maxsize=65536)
-def _public_key(public_key: bytes) -> Ed25519PublicKey:
-    # Parsing a key costs as much as half a verification; senders repeat.
-    return Ed25519PublicKey.from_public_bytes(public_key)
-
-
 def verify_signature(public_key: bytes, signature: bytes, data: bytes) -> bool:
-    """True when `signature` is `public_key`'s Ed25519 signature of `data`."""
+    """True when `signature` is `public_key`'s Ed25519 signature of `data`.
+
+    libsodium (PyNaCl) verifies about twice as fast as OpenSSL here, and verification is
+    the scheduler's largest CPU cost per message; signatures are the same Ed25519 either way.
+    """
+    if len(public_key) != 32 or len(signature) != 64:
+        return False
     try:
-        _public_key(public_key).verify(signature, data)
-    except (InvalidSignature, ValueError):
+        crypto_sign_open(signature + data, public_key)
+    except (BadSignatureError, ValueError, TypeError):
         return False
     return True
 
@@ -112,11 +114,11 @@ class Identity:
     def seed(self) -> bytes:
         return self.private_key.private_bytes(Encoding.Raw, PrivateFormat.Raw, NoEncryption())
 
-    @property
+    @functools.cached_property
     def public_key(self) -> bytes:
         return self.private_key.public_key().public_bytes(Encoding.Raw, PublicFormat.Raw)
 
-    @property
+    @functools.cached_property
     def node_id(self) -> str:
         return node_id_from_public_key(self.public_key)
 

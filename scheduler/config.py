@@ -28,7 +28,7 @@ class DatabaseConfig(Section):
     url: str = "sqlite+aiosqlite:///runs/scheduler/scheduler.db"
     """SQLAlchemy async URL: `sqlite+aiosqlite:///path.db` (default) or
     `postgresql+asyncpg://user@host:5432/db` (production, several replicas)."""
-    flush_interval_ms: float = Field(5.0, ge=0, le=1000)
+    flush_interval_ms: float = Field(20.0, ge=0, le=1000)
     """Group commit: state changes are written together at most this often. A result is
     released to the orchestrator only after its write committed."""
 

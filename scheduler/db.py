@@ -209,8 +209,9 @@ async def migrate(engine: AsyncEngine, url: str) -> None:
 class Writer:
     """Group commit: every `write` queued within one flush interval commits in one transaction.
 
-    Consecutive writes of the same statement run as one executemany. The future returned
-    by `write` resolves once the transaction committed (or carries its error).
+    Writes of the same statement object run as one executemany (build statements once and
+    reuse them). The future returned by `write` resolves once the transaction committed
+    (or carries its error).
     """
 
     def __init__(self, engine: AsyncEngine, interval_s: float):
@@ -265,15 +266,14 @@ class Writer:
 
 
 async def _execute_grouped(conn: AsyncConnection, batch) -> None:
-    i = 0
-    while i < len(batch):
-        stmt = batch[i][0]
-        j = i
-        while j < len(batch) and batch[j][0] is stmt:
-            j += 1
-        params = [p for _, p, _ in batch[i:j]]
+    # One executemany per statement. Reordering across statements is safe: the batch is
+    # one transaction (all or nothing) and no table refers to another; writes of one
+    # statement keep their order.
+    groups: dict[int, tuple[Executable, list[dict[str, Any]]]] = {}
+    for stmt, params, _ in batch:
+        groups.setdefault(id(stmt), (stmt, []))[1].append(params)
+    for stmt, params in groups.values():
         await conn.execute(stmt, params if len(params) > 1 else params[0])
-        i = j
 
 
 async def try_lease(engine: AsyncEngine, name: str, holder: str, ttl_s: float) -> str:

@@ -22,7 +22,9 @@ Invariants:
 from __future__ import annotations
 
 import asyncio
+import bisect
 import contextlib
+import itertools
 import logging
 import random
 import secrets
@@ -30,6 +32,7 @@ import time
 from collections import deque
 from collections.abc import Awaitable
 from dataclasses import dataclass, field
+from types import SimpleNamespace
 from typing import Literal
 
 import aiohttp
@@ -57,6 +60,8 @@ from scheduler.registry import NodeRecord, Registry
 
 log = logging.getLogger("prime.scheduler.dispatch")
 Source = Literal["dispatch", "openai"]
+RECENT_RESULTS = 20_000
+COALESCE_S = 0.02
 
 
 class Saturated(Exception):
@@ -149,6 +154,12 @@ class Dispatcher:
             "banned": 0,
         }
         self.recent_verdicts: deque[dict] = deque(maxlen=50)
+        # Committed results in seq order, newest last: the hot path of the results stream.
+        self.recent: deque[SimpleNamespace] = deque(maxlen=RECENT_RESULTS)
+        # Statements are built once: the writer batches consecutive writes of one statement.
+        self.insert_request = db.insert_ignoring_duplicates(engine, db.requests)
+        self.insert_result = db.results.insert()
+        self.insert_verdict = db.verdicts.insert()
 
     # -- lifecycle -------------------------------------------------------------------
     async def start(self) -> None:
@@ -208,7 +219,14 @@ class Dispatcher:
 
     # -- submission ------------------------------------------------------------------
     async def submit(self, specs: list[RolloutSpec]) -> tuple[int, int]:
-        """Store new requests durably and queue them; known ids are ignored."""
+        """Queue new requests and store them durably; returns (new, already known).
+
+        Dispatch starts at once, while the database is asked which ids it has released
+        already and the new ones are written: the answer (and so the durability promise)
+        waits for the commit, the generators do not. A request found to be known is
+        withdrawn; its generation, if it started, is wasted but never released (a result
+        is released only for the job that is open under its id).
+        """
         if len(self.queue) + len(specs) > self.cfg.max_queued:
             raise Saturated(
                 f"pool is saturated: {len(self.queue)} requests queued "
@@ -217,48 +235,68 @@ class Dispatcher:
         ids = [s.request_id for s in specs]
         if len(set(ids)) != len(ids):
             raise ValueError("duplicate request_id within one batch")
-        async with self.engine.connect() as conn:
-            known = set(
-                (
-                    await conn.execute(
-                        select(db.requests.c.request_id).where(db.requests.c.request_id.in_(ids))
-                    )
-                ).scalars()
-            )
         now = time.time()
         fresh = [
             Job(s.request_id, "dispatch", s, new_seed(), now)
             for s in specs
-            if s.request_id not in known
+            if s.request_id not in self.jobs
         ]
-        if fresh:
-            stmt = db.insert_ignoring_duplicates(self.engine, db.requests)
-            await asyncio.gather(
-                *self.writer.write_many(
-                    stmt,
-                    (
-                        {
-                            "request_id": j.request_id,
-                            "source": "dispatch",
-                            "spec": encode(j.spec),
-                            "seed": j.seed,
-                            "submitted_at": j.submitted_at,
-                            "rollout_envelope": None,
-                        }
-                        for j in fresh
-                    ),
-                )
-            )
         for job in fresh:
-            if job.request_id in self.jobs:  # a concurrent submit of the same id won
-                continue
             self.jobs[job.request_id] = job
             self.queue.append(job)
-        self.totals["submitted"] += len(fresh)
-        self.metrics.requests_submitted_total.inc(len(fresh))
+        self.kick()
+        try:
+            new = await self._store_new(fresh)
+        except BaseException:
+            for job in fresh:
+                self._withdraw(job)
+            raise
+        self.totals["submitted"] += len(new)
+        self.metrics.requests_submitted_total.inc(len(new))
         self.metrics.queue_depth.set(len(self.queue))
-        self.wake.set()
-        return len(fresh), len(specs) - len(fresh)
+        return len(new), len(specs) - len(new)
+
+    async def _store_new(self, jobs: list[Job]) -> list[Job]:
+        """Withdraw the jobs whose ids the database knows; write the others; await the commit."""
+        if not jobs:
+            return []
+        async with self.engine.connect() as conn:
+            known = set(
+                (
+                    await conn.execute(
+                        select(db.requests.c.request_id).where(
+                            db.requests.c.request_id.in_([j.request_id for j in jobs])
+                        )
+                    )
+                ).scalars()
+            )
+        new = []
+        for job in jobs:
+            if job.request_id in known:
+                self._withdraw(job)
+            else:
+                new.append(job)
+        stmt = self.insert_request
+        rows = (
+            {
+                "request_id": j.request_id,
+                "source": "dispatch",
+                "spec": encode(j.spec),
+                "seed": j.seed,
+                "submitted_at": j.submitted_at,
+                "rollout_envelope": None,
+            }
+            for j in new
+        )
+        await asyncio.gather(*self.writer.write_many(stmt, rows))
+        return new
+
+    def _withdraw(self, job: Job) -> None:
+        if self.jobs.get(job.request_id) is job:
+            del self.jobs[job.request_id]
+
+    def _is_open(self, job: Job) -> bool:
+        return self.jobs.get(job.request_id) is job
 
     # -- the dispatch loop -----------------------------------------------------------
     def kick(self) -> None:
@@ -276,6 +314,8 @@ class Dispatcher:
         scanned = 0
         while self.queue:
             job = self.queue.popleft()
+            if not self._is_open(job):
+                continue
             node = self.registry.pick_generator(job.spec.min_version, job.tried)
             if node is None:
                 waiting.append(job)
@@ -293,7 +333,7 @@ class Dispatcher:
         self.metrics.queue_depth.set(len(self.queue))
 
     def _requeue(self, job: Job, why: str) -> None:
-        if job.request_id not in self.jobs:
+        if not self._is_open(job):
             return
         if job.source == "openai":
             # The answer went to the client already: there is nothing to generate again.
@@ -380,7 +420,8 @@ class Dispatcher:
         gen.generated += 1
         gen.tokens += len(rollout.completion_ids)
         gen.first_work = gen.first_work or time.time()
-        await self._verify_and_release(job, gen, rollout, raw, request)
+        if self._is_open(job):  # not withdrawn (a resubmitted id) meanwhile
+            await self._verify_and_release(job, gen, rollout, raw, request)
 
     def _check_rollout(self, raw: bytes, gen: NodeRecord, request: RolloutRequest) -> Rollout:
         """Cheap checks the scheduler can make itself before anyone spends a prefill."""
@@ -535,7 +576,7 @@ class Dispatcher:
                 gen.rejected += 1
         now = time.time()
         self.writer.write(
-            db.verdicts.insert(),
+            self.insert_verdict,
             {
                 "request_id": rollout.request_id,
                 "kind": kind,
@@ -590,8 +631,9 @@ class Dispatcher:
             job.tried.add(gen.node_id)
             self._requeue(job, f"{gen.label} was banned")
             return
-        if self.jobs.pop(job.request_id, None) is None:
+        if not self._is_open(job):
             return
+        del self.jobs[job.request_id]
         self.seq += 1
         row = {
             "seq": self.seq,
@@ -606,17 +648,30 @@ class Dispatcher:
             "released_at": time.time(),
         }
         try:
-            await self.writer.write(db.results.insert(), row)
+            await self.writer.write(self.insert_result, row)
         except Exception as exc:  # noqa: BLE001 - the job must not be lost
+            if await self._released_already(job.request_id):
+                log.warning("%s was released before; not again", job.request_id)
+                return
             log.error("could not store the result of %s (%s); will retry", job.request_id, exc)
             self.jobs[job.request_id] = job
             await asyncio.sleep(1.0)
             self._requeue(job, "result write failed")
             return
+        self.recent.append(SimpleNamespace(**row))
         self.totals["accepted" if status != "failed" else "failed"] += 1
         self.metrics.observe_release(status, job.submitted_at, row["released_at"])
         async with self.released:
             self.released.notify_all()
+
+    async def _released_already(self, request_id: str) -> bool:
+        with contextlib.suppress(Exception):
+            async with self.engine.connect() as conn:
+                found = await conn.execute(
+                    select(db.results.c.seq).where(db.results.c.request_id == request_id)
+                )
+                return found.first() is not None
+        return False
 
     async def _reverify_stored(self, job: Job) -> None:
         assert job.rollout_envelope is not None
@@ -628,24 +683,36 @@ class Dispatcher:
         await self._verify_and_release(job, gen, opened.message, job.rollout_envelope, None)
 
     async def results_after(self, after: int, limit: int, wait_s: float) -> list:
-        async def fetch() -> list:
-            async with self.engine.connect() as conn:
-                return (
-                    await conn.execute(
-                        select(db.results)
-                        .where(db.results.c.seq > after)
-                        .order_by(db.results.c.seq)
-                        .limit(limit)
-                    )
-                ).all()
+        """Released results with seq > after (long-poll up to wait_s), oldest first.
 
-        rows = await fetch()
+        Recent results are served from memory (every committed release is appended to
+        `recent` in seq order); older cursors, and any cursor after a restart, read the
+        database. A long-poll that had to wait lingers `COALESCE_S` so that one answer
+        carries many results instead of one answer per release.
+        """
+        rows = await self._results_from(after, limit)
         if rows or wait_s <= 0:
             return rows
         with contextlib.suppress(TimeoutError):
             async with self.released:
                 await asyncio.wait_for(self.released.wait(), wait_s)
-        return await fetch()
+            await asyncio.sleep(COALESCE_S)
+        return await self._results_from(after, limit)
+
+    async def _results_from(self, after: int, limit: int) -> list:
+        recent = self.recent
+        if recent and after >= recent[0].seq - 1:
+            start = bisect.bisect_right(recent, after, key=lambda r: r.seq)
+            return list(itertools.islice(recent, start, start + limit))
+        async with self.engine.connect() as conn:
+            return (
+                await conn.execute(
+                    select(db.results)
+                    .where(db.results.c.seq > after)
+                    .order_by(db.results.c.seq)
+                    .limit(limit)
+                )
+            ).all()
 
     # -- OpenAI-endpoint calls -------------------------------------------------------
     async def adopt_openai(
@@ -654,7 +721,7 @@ class Dispatcher:
         """Store an OpenAI-endpoint rollout durably and verify it behind the answer."""
         job = Job(request_id, "openai", spec, seed, time.time(), rollout_envelope=raw)
         await self.writer.write(
-            db.insert_ignoring_duplicates(self.engine, db.requests),
+            self.insert_request,
             {
                 "request_id": request_id,
                 "source": "openai",

@@ -22,13 +22,17 @@ Invariants:
 
 from __future__ import annotations
 
+import random
 import secrets
 import time
 from dataclasses import dataclass, field
 
 from protocol.messages import NodeState, ReputationPolicy
 
+# Verifier choice must be unpredictable to the generator: the OS's randomness.
 _rng = secrets.SystemRandom()
+# Load-balancing samples need no secrecy, only speed.
+_fast_rng = random.Random(secrets.randbits(64))
 EXACT_UP_TO = 64
 SAMPLE = 16
 HEALTHY_CACHE_S = 0.2
@@ -155,7 +159,7 @@ class Registry:
 
     def _candidates(self) -> list[NodeRecord]:
         nodes = self.healthy()
-        return nodes if len(nodes) <= EXACT_UP_TO else _rng.sample(nodes, SAMPLE)
+        return nodes if len(nodes) <= EXACT_UP_TO else _fast_rng.sample(nodes, SAMPLE)
 
     def pick_generator(
         self, min_version: int, exclude: set[str] | frozenset[str] = frozenset()

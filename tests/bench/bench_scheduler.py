@@ -1012,7 +1012,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     add = ap.add_argument
     add("--nodes", type=int, help="load-test nodes (default 1000; --quick 100)")
-    add("--rates", help="offered req/s steps (default 50,...,500,700,1000; --quick 50,100)")
+    add("--rates", help="offered req/s steps (default 25,50,75,...,1000; --quick 50,100)")
     add("--warmup-s", type=float, help="per step, not measured (default 3; --quick 1)")
     add("--measure-s", type=float, help="per step, measured (default 12; --quick 3)")
     add("--drain-s", type=float, default=20.0, help="wait this long for a step's last results")
@@ -1034,7 +1034,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args = ap.parse_args(argv)
     q = args.quick
     args.nodes = args.nodes or (100 if q else 1000)
-    rates = args.rates or ("50,100" if q else "50,100,200,300,500,700,1000")
+    rates = args.rates or ("50,100" if q else "25,50,75,100,150,200,300,500,700,1000")
     args.rates = [float(r) for r in str(rates).split(",") if r.strip()]
     args.warmup_s = args.warmup_s if args.warmup_s is not None else (1.0 if q else 3.0)
     args.measure_s = args.measure_s if args.measure_s is not None else (3.0 if q else 12.0)
@@ -1064,6 +1064,14 @@ def wait_quiet(timeout_s: float, busy_below: float = 25.0) -> float:
             said = time.monotonic()
 
 
+def _git(*args: str) -> str:
+    try:
+        res = subprocess.run(["git", *args], cwd=REPO_ROOT, capture_output=True, text=True)
+    except OSError:
+        return ""
+    return res.stdout.strip() if res.returncode == 0 else ""
+
+
 def env_info(load_start: float, busy_start: float) -> dict[str, Any]:
     versions = {}
     for k in VERSIONS_OF:
@@ -1075,6 +1083,8 @@ def env_info(load_start: float, busy_start: float) -> dict[str, Any]:
         "python": platform.python_version(),
         **versions,
         "platform": platform.platform(),
+        "git_commit": _git("rev-parse", "--short", "HEAD"),
+        "scheduler_dirty": bool(_git("status", "--porcelain", "scheduler", "protocol")),
         "loadavg_1m_at_start": load_start,
         "machine_cpu_percent_at_start": busy_start,
         "loadavg_1m_at_end": os.getloadavg()[0],
