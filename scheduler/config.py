@@ -29,8 +29,8 @@ class DatabaseConfig(Section):
     """SQLAlchemy async URL: `sqlite+aiosqlite:///path.db` (default) or
     `postgresql+asyncpg://user@host:5432/db` (production, several replicas)."""
     flush_interval_ms: float = Field(20.0, ge=0, le=1000)
-    """Group commit: state changes are written together at most this often. A result is
-    released to the orchestrator only after its write committed."""
+    """Group commit: at most one transaction per this interval (an idle scheduler writes at
+    once). A result is released to the orchestrator only after its write committed."""
 
     @field_validator("url")
     @classmethod

@@ -207,7 +207,7 @@ async def migrate(engine: AsyncEngine, url: str) -> None:
 
 
 class Writer:
-    """Group commit: every `write` queued within one flush interval commits in one transaction.
+    """Group commit: writes queued since the last flush commit together in one transaction.
 
     Writes of the same statement object run as one executemany (build statements once and
     reuse them). The future returned by `write` resolves once the transaction committed
@@ -241,10 +241,16 @@ class Writer:
         return [self.write(stmt, r) for r in rows]
 
     async def _run(self) -> None:
+        # At most one flush per interval; an idle writer flushes at once (no added latency),
+        # a busy one batches whatever arrived while the previous flush ran.
+        last = -1e9
         while True:
             await self._wake.wait()
             self._wake.clear()
-            await asyncio.sleep(self.interval_s)
+            delay = self.interval_s - (time.monotonic() - last)
+            if delay > 0:
+                await asyncio.sleep(delay)
+            last = time.monotonic()
             await self._flush()
 
     async def _flush(self) -> None:

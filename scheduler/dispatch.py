@@ -61,7 +61,7 @@ from scheduler.registry import NodeRecord, Registry
 log = logging.getLogger("prime.scheduler.dispatch")
 Source = Literal["dispatch", "openai"]
 RECENT_RESULTS = 20_000
-COALESCE_S = 0.02
+COALESCE_S = 0.002
 
 
 class Saturated(Exception):
@@ -688,7 +688,7 @@ class Dispatcher:
         Recent results are served from memory (every committed release is appended to
         `recent` in seq order); older cursors, and any cursor after a restart, read the
         database. A long-poll that had to wait lingers `COALESCE_S` so that one answer
-        carries many results instead of one answer per release.
+        carries all the results of one group commit, not just the first.
         """
         rows = await self._results_from(after, limit)
         if rows or wait_s <= 0:
