@@ -268,3 +268,26 @@ def _raw_envelope(identity: Identity, kind: str, body: dict) -> bytes:
     from protocol.envelope import seal_body
 
     return seal_body(identity, kind, pack({"v": PROTOCOL_VERSION, "t": kind, "b": body}))
+
+
+def test_saturated_pool_answers_503_with_retry_after(tmp_path):
+    pool = make_pool(tmp_path)
+    pool.start_scheduler("--dispatch.max-queued", "5")
+    try:
+        batch = [RolloutSpec(request_id=f"q{i}", prompt_ids=[1, 2]) for i in range(4)]
+        first = post(
+            f"{pool.url}/v1/rollouts/submit",
+            seal(pool.trainer, SubmitRollouts(pool_id="test", requests=batch)),
+        )
+        assert first.status_code == 200  # no node yet: they wait in the queue
+        more = [RolloutSpec(request_id=f"m{i}", prompt_ids=[1, 2]) for i in range(4)]
+        refused = post(
+            f"{pool.url}/v1/rollouts/submit",
+            seal(pool.trainer, SubmitRollouts(pool_id="test", requests=more)),
+        )
+        assert refused.status_code == 503
+        assert refused.headers["Retry-After"] == "1"
+        assert "saturated" in error_of(refused) and "4 requests queued" in error_of(refused)
+        assert pool.health()["queued"] == 4
+    finally:
+        pool.close()

@@ -20,7 +20,14 @@ import openai
 import pytest
 
 from protocol.envelope import open_envelope
-from protocol.messages import ReputationPolicy, Rollout, RolloutSpec, SamplingParams, Verdict
+from protocol.messages import (
+    ReputationPolicy,
+    Rollout,
+    RolloutSpec,
+    SamplingParams,
+    Verdict,
+    WeightUpdate,
+)
 from tests.pools import POSTGRES_URL, Pool, collect, make_pool, reset_postgres
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
@@ -36,12 +43,15 @@ FAST_LIFECYCLE = (
 )
 
 
-def specs(n: int, prefix: str = "r", max_tokens: int = 16) -> list[RolloutSpec]:
+def specs(
+    n: int, prefix: str = "r", max_tokens: int = 16, min_version: int = 0
+) -> list[RolloutSpec]:
     return [
         RolloutSpec(
             request_id=f"{prefix}{i}",
             prompt_ids=[5 + i % 40, 9 + i % 13, 11, 7 + i % 5],
             sampling=SamplingParams(max_tokens=max_tokens),
+            min_version=min_version,
         )
         for i in range(n)
     ]
@@ -123,7 +133,7 @@ def pool(tmp_path):
 
 
 async def test_three_workers_serve_200_requests_verified_exactly_once(pool: Pool):
-    pool.start_scheduler()
+    pool.start_scheduler(*FAST_LIFECYCLE)
     pool.join_many(["w0", "w1", "w2"])
     ids = {f"r{i}" for i in range(200)}
     async with pool.client() as client:
@@ -158,6 +168,20 @@ async def test_three_workers_serve_200_requests_verified_exactly_once(pool: Pool
         verdicts = await collect(client, len(turn_ids), 60, after=more[-1].seq)
         assert {r.request_id for r in verdicts} == turn_ids
         assert {r.status for r in verdicts} == {"accepted"}
+
+        # New weights reach every node through its heartbeat; requests that need them
+        # are generated (and verified) only with them.
+        from node.models import resolve_model
+
+        update = WeightUpdate(version=1, path=str(resolve_model("tiny")))
+        assert await client.publish_weights(update) == 1
+        deadline = time.time() + 60
+        while {n["weights_version"] for n in pool.state()["nodes"]} != {1}:
+            assert time.time() < deadline, pool.state()["nodes"]
+            time.sleep(0.5)
+        await client.submit(specs(10, prefix="v1-", max_tokens=8, min_version=1))
+        v1 = await collect(client, 10, 60, after=verdicts[-1].seq)
+        assert {r.weights_version for r in v1} == {1}
     state = pool.state()
     assert {n["state"] for n in state["nodes"]} == {"healthy"}
     assert sum(n["generated"] for n in state["nodes"]) >= 203
