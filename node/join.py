@@ -8,7 +8,8 @@ deregister) around one `NodeServer`. Invariants:
 - Until registration the proof routes take work from nobody; afterwards only from the key
   that signed the scheduler's `RegisterResponse` (re-read at every registration).
 - Once registered, a lost scheduler (down, restarting, answering errors) never stops the
-  node: it keeps serving and retries with backoff capped at the heartbeat interval; a 404
+  node: it keeps serving and retries with backoff capped at the heartbeat interval, moving
+  to the next scheduler replica when several are listed (`--scheduler URL1,URL2`); a 404
   means the scheduler forgot the node, so it registers again.
 - Exit codes (`JoinError.exit_code`): 0 after a clean leave or a stop before admission;
   2 when refused (wrong pool or owner, bad invite, admission refused, scheduler

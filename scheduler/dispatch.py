@@ -8,9 +8,8 @@ queued again for another generator. Any failure of a node (connection, timeout, 
 death) sends the job elsewhere; after `max_attempts` generations it is released as failed.
 
 Invariants:
-- A job is released (a `results` row) at most once: `results.request_id` is unique and a
-  job leaves `jobs` before its release is written. The orchestrator sees a result only
-  after its row committed.
+- A job is released (into `scheduler.results`) at most once: a job leaves `jobs` before its
+  release is written, and the database refuses a second result for a request id.
 - Nothing is released from a banned generator, and nothing unverified unless the pool's
   spot-check rate says so.
 - Every verdict received is written to the audit table with the generator's signed
@@ -22,9 +21,7 @@ Invariants:
 from __future__ import annotations
 
 import asyncio
-import bisect
 import contextlib
-import itertools
 import logging
 import random
 import secrets
@@ -32,7 +29,6 @@ import time
 from collections import deque
 from collections.abc import Awaitable
 from dataclasses import dataclass, field
-from types import SimpleNamespace
 from typing import Literal
 
 import aiohttp
@@ -57,11 +53,10 @@ from scheduler.config import DispatchConfig
 from scheduler.metrics import SchedulerMetrics
 from scheduler.pool import SignedPool
 from scheduler.registry import NodeRecord, Registry
+from scheduler.results import AlreadyReleased, ResultsStream
 
 log = logging.getLogger("prime.scheduler.dispatch")
 Source = Literal["dispatch", "openai"]
-RECENT_RESULTS = 20_000
-COALESCE_S = 0.002
 
 
 class Saturated(Exception):
@@ -137,9 +132,7 @@ class Dispatcher:
         self.metrics = metrics
         self.jobs: dict[str, Job] = {}
         self.queue: deque[Job] = deque()
-        self.seq = 0
         self.wake = asyncio.Event()
-        self.released = asyncio.Condition()
         self.node_tasks: dict[str, set[asyncio.Task]] = {}
         self.session: aiohttp.ClientSession | None = None
         self._loop_task: asyncio.Task | None = None
@@ -154,11 +147,9 @@ class Dispatcher:
             "banned": 0,
         }
         self.recent_verdicts: deque[dict] = deque(maxlen=50)
-        # Committed results in seq order, newest last: the hot path of the results stream.
-        self.recent: deque[SimpleNamespace] = deque(maxlen=RECENT_RESULTS)
+        self.results = ResultsStream(engine, writer)
         # Statements are built once: the writer batches consecutive writes of one statement.
         self.insert_request = db.insert_ignoring_duplicates(engine, db.requests)
-        self.insert_result = db.results.insert()
         self.insert_verdict = db.verdicts.insert()
 
     # -- lifecycle -------------------------------------------------------------------
@@ -166,8 +157,8 @@ class Dispatcher:
         self.session = aiohttp.ClientSession(
             connector=aiohttp.TCPConnector(limit=0, limit_per_host=0, keepalive_timeout=60),
         )
+        await self.results.load()
         async with self.engine.connect() as conn:
-            self.seq = await db.max_seq(conn)
             open_rows = (
                 await conn.execute(
                     select(db.requests).where(
@@ -634,44 +625,30 @@ class Dispatcher:
         if not self._is_open(job):
             return
         del self.jobs[job.request_id]
-        self.seq += 1
-        row = {
-            "seq": self.seq,
-            "request_id": job.request_id,
-            "source": job.source,
-            "status": status,
-            "detail": detail,
-            "weights_version": rollout.weights_version if rollout else 0,
-            "generator_id": generator_id,
-            "rollout_envelope": raw,
-            "verdict_envelopes": msgpack.packb(verdict_envelopes or []),
-            "released_at": time.time(),
-        }
         try:
-            await self.writer.write(self.insert_result, row)
+            row = await self.results.append(
+                {
+                    "request_id": job.request_id,
+                    "source": job.source,
+                    "status": status,
+                    "detail": detail,
+                    "weights_version": rollout.weights_version if rollout else 0,
+                    "generator_id": generator_id,
+                    "rollout_envelope": raw,
+                    "verdict_envelopes": msgpack.packb(verdict_envelopes or []),
+                }
+            )
+        except AlreadyReleased:
+            log.warning("%s was released before; not again", job.request_id)
+            return
         except Exception as exc:  # noqa: BLE001 - the job must not be lost
-            if await self._released_already(job.request_id):
-                log.warning("%s was released before; not again", job.request_id)
-                return
             log.error("could not store the result of %s (%s); will retry", job.request_id, exc)
             self.jobs[job.request_id] = job
             await asyncio.sleep(1.0)
             self._requeue(job, "result write failed")
             return
-        self.recent.append(SimpleNamespace(**row))
         self.totals["accepted" if status != "failed" else "failed"] += 1
         self.metrics.observe_release(status, job.submitted_at, row["released_at"])
-        async with self.released:
-            self.released.notify_all()
-
-    async def _released_already(self, request_id: str) -> bool:
-        with contextlib.suppress(Exception):
-            async with self.engine.connect() as conn:
-                found = await conn.execute(
-                    select(db.results.c.seq).where(db.results.c.request_id == request_id)
-                )
-                return found.first() is not None
-        return False
 
     async def _reverify_stored(self, job: Job) -> None:
         assert job.rollout_envelope is not None
@@ -681,38 +658,6 @@ class Dispatcher:
             await self._release(job, "failed", "generator unknown after restart")
             return
         await self._verify_and_release(job, gen, opened.message, job.rollout_envelope, None)
-
-    async def results_after(self, after: int, limit: int, wait_s: float) -> list:
-        """Released results with seq > after (long-poll up to wait_s), oldest first.
-
-        Recent results are served from memory (every committed release is appended to
-        `recent` in seq order); older cursors, and any cursor after a restart, read the
-        database. A long-poll that had to wait lingers `COALESCE_S` so that one answer
-        carries all the results of one group commit, not just the first.
-        """
-        rows = await self._results_from(after, limit)
-        if rows or wait_s <= 0:
-            return rows
-        with contextlib.suppress(TimeoutError):
-            async with self.released:
-                await asyncio.wait_for(self.released.wait(), wait_s)
-            await asyncio.sleep(COALESCE_S)
-        return await self._results_from(after, limit)
-
-    async def _results_from(self, after: int, limit: int) -> list:
-        recent = self.recent
-        if recent and after >= recent[0].seq - 1:
-            start = bisect.bisect_right(recent, after, key=lambda r: r.seq)
-            return list(itertools.islice(recent, start, start + limit))
-        async with self.engine.connect() as conn:
-            return (
-                await conn.execute(
-                    select(db.results)
-                    .where(db.results.c.seq > after)
-                    .order_by(db.results.c.seq)
-                    .limit(limit)
-                )
-            ).all()
 
     # -- OpenAI-endpoint calls -------------------------------------------------------
     async def adopt_openai(

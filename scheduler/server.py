@@ -376,7 +376,7 @@ class SchedulerServer:
 
     async def results(self, request: web.Request) -> web.Response:
         q = (await self._open(request, ResultsQuery, trusted={self.trainer_key})).message
-        rows = await self.dispatcher.results_after(q.after, q.limit, q.wait_s)
+        rows = await self.dispatcher.results.after(q.after, q.limit, q.wait_s)
         page = [
             RolloutResult(
                 seq=r.seq,
