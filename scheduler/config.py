@@ -91,6 +91,10 @@ class DispatchConfig(Section):
     """How long a rollout waits for an eligible verifier (or judge) before it is given up on."""
     openai_timeout_s: float = Field(300.0, gt=0)
     """Timeout of a call through the OpenAI-compatible endpoint."""
+    probation: int = Field(4, ge=0)
+    """A node may have this many generations in flight, plus one per accepted rollout of
+    its, up to its capacity (0: no probation). Bounds what a new cheater can get through
+    the door before its first disputes ban it."""
 
 
 class RateLimitConfig(Section):

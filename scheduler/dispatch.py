@@ -412,7 +412,12 @@ class Dispatcher:
         gen.tokens += len(rollout.completion_ids)
         gen.first_work = gen.first_work or time.time()
         if self._is_open(job):  # not withdrawn (a resubmitted id) meanwhile
-            await self._verify_and_release(job, gen, rollout, raw, request)
+            gen.unsettled += 1
+            try:
+                await self._verify_and_release(job, gen, rollout, raw, request)
+            finally:
+                gen.unsettled -= 1
+                self.kick()
 
     def _check_rollout(self, raw: bytes, gen: NodeRecord, request: RolloutRequest) -> Rollout:
         """Cheap checks the scheduler can make itself before anyone spends a prefill."""
@@ -453,6 +458,9 @@ class Dispatcher:
                 job, "accepted", "unverified (spot check)", raw, [], rollout, gen.node_id
             )
             return
+        if gen.state == "banned":
+            self._give_up_verification(job, gen, f"{gen.label} is banned")
+            return
         first = await self._judge("verify", rollout, raw, request, exclude=[gen])
         if first is None:
             self._give_up_verification(job, gen, "no eligible verifier")
@@ -465,6 +473,9 @@ class Dispatcher:
             )
             return
         self.totals["disputes"] += 1
+        if gen.state == "banned":  # banned meanwhile: no need to settle this one
+            self._give_up_verification(job, gen, f"{gen.label} is banned")
+            return
         judge = await self._judge("dispute", rollout, raw, request, exclude=[gen, first.node])
         if judge is None:
             # Nobody can settle it: punish no one, trust nothing from this rollout.

@@ -9,6 +9,10 @@ leave; banned (reputation under the pool's threshold) is final.
 Invariants:
 - Only `healthy` nodes get new work; a banned node never gets work again, whatever it
   sends later.
+- Probation: a node gets at most `probation` rollouts under way (being generated, or
+  generated and awaiting their verdict) plus one per rollout of its that was accepted
+  (since this scheduler started), up to its own capacity; a cheater therefore has only a
+  handful of rollouts under way when its first disputes ban it.
 - A generator is a healthy node with spare capacity whose weights version is at least the
   request's `min_version`; among those, the one with the fewest outstanding tokens per unit
   of reputation wins. Up to `EXACT_UP_TO` healthy nodes every one is compared; in a larger
@@ -57,6 +61,7 @@ class NodeRecord:
     reason: str = ""
     # Volatile (not persisted): load and counters for balancing and the dashboard.
     in_flight: int = 0
+    unsettled: int = 0  # generated rollouts still waiting for their verdict
     failures: int = 0
     outstanding_tokens: int = 0
     stats: dict[str, int] = field(default_factory=dict)
@@ -91,6 +96,10 @@ class NodeRecord:
             "reason": self.reason,
         }
 
+    def slots(self, probation: int) -> int:
+        """Generations this node may have in flight now (see the probation invariant)."""
+        return self.capacity if probation <= 0 else min(self.capacity, probation + self.accepted)
+
     def tokens_per_s(self, now: float) -> float:
         return self.tokens / (now - self.first_work) if self.first_work and self.tokens else 0.0
 
@@ -98,8 +107,9 @@ class NodeRecord:
 class Registry:
     """All nodes of the pool, by id."""
 
-    def __init__(self, policy: ReputationPolicy):
+    def __init__(self, policy: ReputationPolicy, probation: int = 0):
         self.policy = policy
+        self.probation = probation
         self.nodes: dict[str, NodeRecord] = {}
         self._healthy: list[NodeRecord] = []
         self._healthy_at = -1.0
@@ -137,7 +147,8 @@ class Registry:
 
     # -- reputation ------------------------------------------------------------------
     def reward(self, node: NodeRecord) -> None:
-        node.reputation = min(1.0, node.reputation + self.policy.reward_accepted)
+        if node.state != "banned":  # a ban is final: nothing earns reputation back
+            node.reputation = min(1.0, node.reputation + self.policy.reward_accepted)
 
     def penalize(self, node: NodeRecord, reason: str) -> bool:
         """Lower a node's reputation; ban it under the threshold. True if it was just banned."""
@@ -164,9 +175,10 @@ class Registry:
     def pick_generator(
         self, min_version: int, exclude: set[str] | frozenset[str] = frozenset()
     ) -> NodeRecord | None:
-        best = _least_loaded(self._candidates(), min_version, exclude)
+        best = _least_loaded(self._candidates(), min_version, exclude, self.probation)
         if best is None and len(self.healthy()) > EXACT_UP_TO:
-            best = _least_loaded(self.healthy(), min_version, exclude)  # the sample was unlucky
+            # The sample was unlucky: look at every node.
+            best = _least_loaded(self.healthy(), min_version, exclude, self.probation)
         return best
 
     def pick_verifier(
@@ -194,13 +206,14 @@ class Registry:
 
 
 def _least_loaded(
-    nodes: list[NodeRecord], min_version: int, exclude: set[str] | frozenset[str]
+    nodes: list[NodeRecord], min_version: int, exclude: set[str] | frozenset[str], probation: int
 ) -> NodeRecord | None:
     best, best_score = None, float("inf")
     for n in nodes:
         if (
             n.state != "healthy"
             or n.in_flight >= n.capacity
+            or (probation > 0 and n.in_flight + n.unsettled >= n.slots(probation))
             or n.weights_version < min_version
             or n.node_id in exclude
         ):

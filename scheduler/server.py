@@ -79,7 +79,7 @@ class SchedulerServer:
         self.pool_id = self.pool.config.pool_id
         self.trainer_key = self.pool.config.trainer_public_key
         self.metrics = SchedulerMetrics()
-        self.registry = Registry(self.pool.config.reputation)
+        self.registry = Registry(self.pool.config.reputation, cfg.dispatch.probation)
         self.replay = ReplayCache()
         rl = cfg.rate_limits
         self.by_identity = RateLimiter(rl.per_identity_per_s, rl.per_identity_burst, "node key")

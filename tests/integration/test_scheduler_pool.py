@@ -78,16 +78,21 @@ def check_delivered_once_and_verified(
         assert final.sender_id != rollout.sender_id, "verified by its own generator"
 
 
-def check_audit_records(pool: Pool, expected: int) -> None:
-    """Every verdict is on record with the generator's and the verifier's signatures."""
+def check_audit_records(pool: Pool, expected: int) -> Counter:
+    """Every verdict is on record with the generator's and the verifier's signatures;
+    returns the disputes each generator lost."""
     import sqlite3
 
     db_path = pool.db_url.split("///", 1)[1]
     rows = sqlite3.connect(db_path).execute(
-        "SELECT generator_id, verifier_id, accepted, rollout_envelope, verdict_envelope FROM verdicts"
+        "SELECT kind, generator_id, verifier_id, accepted, rollout_envelope, verdict_envelope"
+        " FROM verdicts"
     )
     n = 0
-    for generator_id, verifier_id, accepted, rollout_env, verdict_env in rows:
+    lost: Counter = Counter()
+    for kind, generator_id, verifier_id, accepted, rollout_env, verdict_env in rows:
+        if kind == "dispute" and not accepted:
+            lost[generator_id] += 1
         rollout = open_envelope(rollout_env, Rollout, check_expiry=False)
         verdict = open_envelope(verdict_env, Verdict, check_expiry=False)
         assert rollout.sender_id == generator_id and verdict.sender_id == verifier_id
@@ -95,6 +100,7 @@ def check_audit_records(pool: Pool, expected: int) -> None:
         assert bool(accepted) == verdict.message.accepted
         n += 1
     assert n == expected
+    return lost
 
 
 async def run_verifiers_env(url: str) -> set[str]:
@@ -283,7 +289,12 @@ async def test_dishonest_generators_are_banned_and_dishonest_verifier_loses_disp
             assert state[node_id]["reputation"] < 0.3
         totals = pool.state()["totals"]
         print(f"\ndishonest pool: {totals}")
-        check_audit_records(pool, totals["verifications"])
+        lost = check_audit_records(pool, totals["verifications"])
+        # Bounded: banned at the third lost dispute; on probation (4 in flight, nothing
+        # accepted) a cheater cannot have more rollouts under way than that.
+        for node_id in cheaters:
+            assert 3 <= lost[node_id] <= 3 + 4, lost
+        print(f"lost disputes as generator: {lost}")
         # A banned node's process is told so at its next heartbeat and exits with status 3.
         for name in ("tamper", "forge", "rejecter"):
             assert pool.nodes[name].proc.wait(30) == 3

@@ -144,6 +144,8 @@ def test_reputation_bans_after_bounded_lost_disputes_and_ban_is_final():
     reg.add(n)
     assert [reg.penalize(n, "lost") for _ in range(3)] == [False, False, True]
     assert n.state == "banned" and n.reason == "lost"
+    reg.reward(n)
+    assert n.reputation == 0.25  # nothing earns a banned node reputation back
     reg.seen(n)
     assert n.state == "banned"
     assert reg.pick_generator(0) is None and reg.pick_verifier("h", [], set()) is None
@@ -262,3 +264,24 @@ def test_large_pool_choice_is_sampled_but_balanced_and_never_ineligible():
     reg._healthy_at = -1.0
     assert reg.pick_generator(min_version=0) is nodes[0]
     assert reg.pick_verifier("h", [nodes[0]], set()) is None
+
+
+def test_probation_limits_a_new_node_until_its_rollouts_are_accepted():
+    reg = Registry(ReputationPolicy(), probation=4)
+    n = node(0, capacity=100)
+    reg.add(n)
+    n.in_flight = 4
+    assert reg.pick_generator(0) is None  # four in flight and no track record yet
+    n.in_flight, n.unsettled = 1, 3
+    assert reg.pick_generator(0) is None  # generated but unverified rollouts count too
+    n.in_flight, n.unsettled = 4, 0
+    n.accepted = 2
+    assert reg.pick_generator(0) is n
+    n.in_flight = 6
+    assert reg.pick_generator(0) is None
+    n.accepted = 500
+    n.in_flight = 99
+    assert reg.pick_generator(0) is n  # proven: up to its own capacity
+    n.in_flight = 100
+    assert reg.pick_generator(0) is None
+    assert Registry(ReputationPolicy(), probation=0).probation == 0
