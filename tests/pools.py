@@ -8,8 +8,11 @@ Every process is a separate OS process managed by `protocol.processes.ManagedPro
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import secrets
 import sys
 import time
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -29,7 +32,8 @@ from scheduler.pool import write_pool
 
 REPO = Path(__file__).resolve().parent.parent
 TINY_THRESHOLDS = REPO / "configs" / "verification" / "tiny-torch-cpu-fp32.toml"
-POSTGRES_URL = "postgresql+asyncpg://postgres@127.0.0.1:5432/test"
+# The machine's PostgreSQL (trust auth); tests create a database of their own on it.
+POSTGRES_SERVER = "postgresql://postgres@127.0.0.1:5432"
 
 
 def tiny_verification() -> VerificationPolicy:
@@ -229,13 +233,17 @@ async def collect(
     return out
 
 
-async def reset_postgres(url: str = POSTGRES_URL) -> None:
-    """Drop every table of the test database (a fresh schema for each test)."""
-    import sqlalchemy
-    from sqlalchemy.ext.asyncio import create_async_engine
+@contextlib.asynccontextmanager
+async def postgres_database() -> AsyncIterator[str]:
+    """A fresh PostgreSQL database on the machine's server (127.0.0.1:5432, trust auth),
+    dropped afterwards; its own database, so concurrent test runs never share state."""
+    import asyncpg
 
-    engine = create_async_engine(url)
-    async with engine.begin() as conn:
-        await conn.execute(sqlalchemy.text("DROP SCHEMA public CASCADE"))
-        await conn.execute(sqlalchemy.text("CREATE SCHEMA public"))
-    await engine.dispose()
+    name = f"prime_test_{secrets.token_hex(6)}"
+    admin = await asyncpg.connect(f"{POSTGRES_SERVER}/postgres")
+    try:
+        await admin.execute(f'CREATE DATABASE "{name}"')
+        yield f"postgresql+asyncpg://{POSTGRES_SERVER.split('://', 1)[1]}/{name}"
+    finally:
+        await admin.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+        await admin.close()

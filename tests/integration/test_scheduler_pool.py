@@ -28,7 +28,7 @@ from protocol.messages import (
     Verdict,
     WeightUpdate,
 )
-from tests.pools import POSTGRES_URL, Pool, collect, make_pool, reset_postgres
+from tests.pools import Pool, collect, make_pool, postgres_database
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 FAST_LIFECYCLE = (
@@ -238,8 +238,14 @@ async def test_spot_check_rate_zero_releases_unverified_from_a_single_node(tmp_p
 @pytest.mark.parametrize("backend", ["sqlite", "postgresql"])
 async def test_scheduler_killed_and_restarted_loses_and_duplicates_nothing(tmp_path, backend):
     if backend == "postgresql":
-        await reset_postgres()
-    pool = make_pool(tmp_path, db_url=POSTGRES_URL if backend == "postgresql" else None)
+        async with postgres_database() as url:
+            await check_scheduler_restart(tmp_path, url)
+    else:
+        await check_scheduler_restart(tmp_path, None)
+
+
+async def check_scheduler_restart(tmp_path, db_url: str | None) -> None:
+    pool = make_pool(tmp_path, db_url=db_url)
     try:
         pool.start_scheduler()
         pool.join_many(["w0", "w1", "w2"])

@@ -11,15 +11,19 @@ import pytest
 
 from protocol.processes import free_port
 from tests.integration.test_scheduler_pool import check_delivered_once_and_verified, specs
-from tests.pools import POSTGRES_URL, collect, make_pool, reset_postgres
+from tests.pools import collect, make_pool, postgres_database
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 REPLICA = ("--replica.lease-s", "3")
 
 
 async def test_standby_replica_takes_over_when_the_active_one_is_killed(tmp_path):
-    await reset_postgres()
-    pool = make_pool(tmp_path, db_url=POSTGRES_URL)
+    async with postgres_database() as url:
+        await check_takeover(tmp_path, url)
+
+
+async def check_takeover(tmp_path, url: str) -> None:
+    pool = make_pool(tmp_path, db_url=url)
     try:
         pool.start_scheduler(*REPLICA)
         standby_port = free_port()

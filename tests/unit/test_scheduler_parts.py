@@ -5,6 +5,7 @@ config validation."""
 from __future__ import annotations
 
 import base64
+import contextlib
 import sys
 
 import pytest
@@ -20,7 +21,7 @@ from scheduler.config import PoolCreateConfig, SchedulerConfig
 from scheduler.pool import PoolError, check_invite, make_invite, open_pool, sign_pool
 from scheduler.ratelimit import RateLimited, RateLimiter
 from scheduler.registry import NodeRecord, Registry
-from tests.pools import POSTGRES_URL, reset_postgres
+from tests.pools import postgres_database
 
 
 def node(i: int, **kw) -> NodeRecord:
@@ -46,15 +47,15 @@ def node(i: int, **kw) -> NodeRecord:
 
 @pytest.fixture(params=["sqlite", "postgresql"])
 async def engine_url(request, tmp_path):
-    if request.param == "postgresql":
-        await reset_postgres()
-        url = POSTGRES_URL
-    else:
-        url = f"sqlite+aiosqlite:///{tmp_path / 's.db'}"
-    engine = db.create_engine(url)
-    await db.migrate(engine, url)
-    yield engine, url
-    await engine.dispose()
+    async with contextlib.AsyncExitStack() as stack:
+        if request.param == "postgresql":
+            url = await stack.enter_async_context(postgres_database())
+        else:
+            url = f"sqlite+aiosqlite:///{tmp_path / 's.db'}"
+        engine = db.create_engine(url)
+        await db.migrate(engine, url)
+        yield engine, url
+        await engine.dispose()
 
 
 async def test_migrated_schema_matches_the_tables_in_code(engine_url):
