@@ -56,7 +56,7 @@ $(VLLM_VENV)/.installed: pyproject.toml
 	$(VLLM_PIP) uninstall -q -y torchvision torchaudio torchcodec
 	# The pure-Python deps the engine imports (node.config, protocol, verifier), then this project.
 	$(VLLM_PIP) install -q 'pydantic>=2.7' 'pydantic-settings>=2.3' 'msgpack>=1.0' 'cryptography>=42' \
-		'base58>=2.1' 'tomli-w>=1.0' 'safetensors>=0.4' 'gguf>=0.10'
+		'pynacl>=1.5' 'base58>=2.1' 'tomli-w>=1.0' 'safetensors>=0.4' 'gguf>=0.10'
 	$(VLLM_PIP) install -q wheel ninja
 	$(VLLM_PIP) install -q --no-build-isolation --no-binary toploc toploc==0.1.6
 	$(VLLM_PIP) install -q --no-deps -e .
