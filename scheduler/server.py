@@ -341,6 +341,8 @@ class SchedulerServer:
                 node.last_seen = time.time()
             self._seen_dirty.add(node.node_id)
             if node.state != was:
+                # A state change is durable at once (a restart must not forget it).
+                self.dispatcher.persist_node(node)
                 self.dispatcher.kick()
         elif node.state == "dead":
             raise web.HTTPNotFound(text="this node was declared dead: register again")

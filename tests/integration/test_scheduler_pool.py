@@ -15,7 +15,6 @@ import signal
 import time
 from collections import Counter
 
-import httpx
 import openai
 import pytest
 
@@ -212,9 +211,10 @@ async def test_worker_killed_mid_run_loses_and_duplicates_nothing(pool: Pool):
         rest = await collect(client, 150 - len(first), 300, after=first[-1].seq)
     check_delivered_once_and_verified(first + rest, {f"r{i}" for i in range(150)})
     pool.wait_node_state(pool.node_id("w1"), "dead", 20)
-    metrics = httpx.get(f"{pool.url}/metrics", timeout=10).text
-    retries = float(re.search(r"^prime_scheduler_dispatch_retries_total (\S+)$", metrics, re.M)[1])
-    assert retries > 0, "the killed worker's requests were never re-dispatched"
+    # The kill hit work in flight on w1 (a generation re-dispatched or a verification
+    # moved to another verifier), and the scheduler said so.
+    log = pool.scheduler.log_tail(2_000_000)
+    assert re.search(r"w1 (unreachable|died|did not answer)", log), "no call to w1 was cut"
 
 
 async def test_spot_check_rate_zero_releases_unverified_from_a_single_node(tmp_path):
@@ -262,7 +262,8 @@ async def check_scheduler_restart(tmp_path, db_url: str | None) -> None:
             rest = await collect(client, 150 - len(first), 300, after=cursor)
         check_delivered_once_and_verified(first + rest, ids)
         # The restarted scheduler knew the nodes from the database.
-        assert {n["state"] for n in pool.state()["nodes"]} == {"healthy"}
+        for name in ("w0", "w1", "w2"):
+            pool.wait_node_state(pool.node_id(name), "healthy", 30)
     finally:
         pool.close()
 
