@@ -185,6 +185,8 @@ class Dispatcher:
         if open_rows:
             log.info("recovered %d open requests after a restart", len(open_rows))
         self._loop_task = asyncio.create_task(self._dispatch_loop(), name="dispatch")
+        # Recovered work must not wait for a node's state to change before it moves.
+        self.kick()
 
     async def stop(self) -> None:
         tasks = [t for t in (self._loop_task, *(j.task for j in self.jobs.values())) if t]

@@ -343,6 +343,8 @@ class SchedulerServer:
             if node.state != was:
                 # A state change is durable at once (a restart must not forget it).
                 self.dispatcher.persist_node(node)
+            if node.state != was or self.dispatcher.queue:
+                # A node that became healthy or loaded new weights may take queued work.
                 self.dispatcher.kick()
         elif node.state == "dead":
             raise web.HTTPNotFound(text="this node was declared dead: register again")
