@@ -131,7 +131,7 @@ def keygen(
 @app.command("prepare-model")
 def prepare_model(name: str = typer.Argument(..., help="'tiny' or 'smollm2'")) -> None:
     """Build (tiny) or dequantize (smollm2) a bundled model into the cache; print its folder."""
-    from node.models import resolve_model
+    from verifier.models import resolve_model
 
     if name not in ("tiny", "smollm2"):
         console.print(f"[red]unknown bundled model {name!r}: use 'tiny' or 'smollm2'[/red]")

@@ -9,9 +9,9 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import Field, field_validator, model_validator
 
-from protocol.config import PrimeSettings
+from protocol.config import PrimeSettings, Section
 from protocol.identity import IdentityError, public_key_from_node_id
 from protocol.messages import VerificationPolicy
 
@@ -47,10 +47,6 @@ def _node_id(v: str) -> str:
     except IdentityError as exc:
         raise ValueError(str(exc)) from exc
     return v
-
-
-class Section(BaseModel):
-    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True)
 
 
 class EngineConfig(Section):

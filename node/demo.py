@@ -17,11 +17,11 @@ from openai import OpenAI
 from rich.console import Console
 from rich.table import Table
 
-from node.models import resolve_model
 from protocol.envelope import open_envelope, seal
 from protocol.identity import Identity
 from protocol.messages import Rollout, Verdict, VerifyRequest
 from protocol.processes import ManagedProcess, free_port
+from verifier.models import resolve_model
 
 QUESTIONS = [
     "What is the capital of France?",

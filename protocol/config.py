@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 import tomli_w
-from pydantic import BaseModel, ValidationError
+from pydantic import BaseModel, ConfigDict, ValidationError
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 S = TypeVar("S", bound=BaseSettings)
@@ -30,6 +30,12 @@ S = TypeVar("S", bound=BaseSettings)
 
 class ConfigError(ValueError):
     """A configuration that cannot be used; the message says what to fix."""
+
+
+class Section(BaseModel):
+    """Base for a config section: unknown keys refused, field docstrings kept as docs."""
+
+    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True)
 
 
 class PrimeSettings(BaseSettings):

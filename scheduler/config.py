@@ -11,15 +11,11 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import Field, field_validator, model_validator
 
-from protocol.config import PrimeSettings
+from protocol.config import PrimeSettings, Section
 from protocol.identity import Identity, IdentityError, public_key_from_node_id
 from protocol.messages import AdmissionPolicy, ReputationPolicy, VerificationPolicy
-
-
-class Section(BaseModel):
-    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True)
 
 
 class DatabaseConfig(Section):

@@ -13,8 +13,8 @@ from pathlib import Path
 import pytest
 
 from node.config import EngineConfig
-from node.models import resolve_model
 from tests.nodes import REPO, start_node
+from verifier.models import resolve_model
 
 _REPORT: dict[str, object] = {}
 

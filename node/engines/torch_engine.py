@@ -16,7 +16,7 @@ from pathlib import Path
 
 import torch
 from safetensors.torch import load_file
-from transformers import AutoModelForCausalLM, DynamicCache, PreTrainedTokenizerFast
+from transformers import AutoModelForCausalLM, DynamicCache
 
 from node.engines.base import (
     GenerationRequest,
@@ -25,7 +25,7 @@ from node.engines.base import (
     PrefillResult,
     hash_weights_dir,
 )
-from node.models import resolve_model
+from verifier.models import load_tokenizer, resolve_model
 from verifier.sampling import BatchSampler, RowParams
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -41,11 +41,6 @@ def pick_dtype(dtype: str, device: torch.device) -> torch.dtype:
     if dtype == "auto":
         return torch.bfloat16 if device.type == "cuda" else torch.float32
     return _DTYPES[dtype]
-
-
-def load_tokenizer(path: str | Path) -> PreTrainedTokenizerFast:
-    # AutoTokenizer maps the char-level tiny tokenizer to a class that drops spaces.
-    return PreTrainedTokenizerFast.from_pretrained(str(path))
 
 
 def eos_ids(tokenizer, model_config) -> frozenset[int]:

@@ -45,10 +45,10 @@ from node.engines.base import (
     PrefillResult,
     hash_weights_dir,
 )
-from node.engines.torch_engine import _StopWatcher, eos_ids, load_tokenizer, pick_dtype
+from node.engines.torch_engine import _StopWatcher, eos_ids, pick_dtype
 from node.engines.vllm_worker_ext import EXTRA_KEY
-from node.models import resolve_model
 from protocol.messages import FinishReason, SamplingParams
+from verifier.models import load_tokenizer, resolve_model
 
 _PROCESSOR = "node.engines.vllm_worker_ext:SeededSampler"
 _EXTENSION = "node.engines.vllm_worker_ext.CaptureExtension"

@@ -110,7 +110,7 @@ def load_engine(args: argparse.Namespace, tmp: Path) -> TorchEngine:
     if model == "smollm2-random":
         model = str(build_random_smollm2(tmp / "smollm2-random", args.seed))
     elif model == "smollm2":
-        from node.models import CACHE_DIR
+        from verifier.models import CACHE_DIR
 
         if not (CACHE_DIR / "models" / "SmolLM2-135M-Instruct" / "config.json").is_file():
             console.print(

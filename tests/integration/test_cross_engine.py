@@ -26,7 +26,6 @@ import pytest
 
 from node.config import EngineConfig
 from node.engines.base import GenerationRequest
-from node.models import resolve_model
 from node.worker import make_rollout
 from protocol.codec import decode, encode
 from protocol.messages import (
@@ -39,6 +38,7 @@ from protocol.messages import (
 from tests.conftest import random_chat_prompts
 from tests.nodes import REPO
 from verifier.checks import verify_rollout
+from verifier.models import resolve_model
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 

@@ -176,7 +176,7 @@ async def test_three_workers_serve_200_requests_verified_exactly_once(pool: Pool
 
         # New weights reach every node through its heartbeat; requests that need them
         # are generated (and verified) only with them.
-        from node.models import resolve_model
+        from verifier.models import resolve_model
 
         update = WeightUpdate(version=1, path=str(resolve_model("tiny")))
         assert await client.publish_weights(update) == 1

@@ -26,7 +26,7 @@ THRESHOLDS = REPO / "configs" / "verification" / "smollm2-torch-cpu-fp32.toml"
 
 @pytest.fixture(scope="module")
 def smol_pair(tmp_path_factory):
-    from node.models import resolve_model
+    from verifier.models import resolve_model
 
     resolve_model("smollm2")  # dequantize once, before two processes race for it
     work = tmp_path_factory.mktemp("smol")

@@ -10,19 +10,19 @@ import torch
 
 @pytest.fixture
 def fresh_cache(tmp_path, monkeypatch):
-    """node.models with its cache pointed at an empty folder (CI's cache may be warm)."""
+    """verifier.models with its cache pointed at an empty folder (CI's cache may be warm)."""
     monkeypatch.setenv("PRIME_CACHE_DIR", str(tmp_path))
-    import node.models
+    import verifier.models
 
-    yield importlib.reload(node.models)
+    yield importlib.reload(verifier.models)
     monkeypatch.delenv("PRIME_CACHE_DIR")
-    importlib.reload(node.models)
+    importlib.reload(verifier.models)
 
 
 def test_tiny_model_is_deterministic_and_char_level(fresh_cache, tmp_path):
     from transformers import AutoModelForCausalLM
 
-    from node.engines.torch_engine import load_tokenizer
+    from verifier.models import load_tokenizer
 
     a = fresh_cache.build_tiny_model(tmp_path / "a", seed=3)
     b = fresh_cache.build_tiny_model(tmp_path / "b", seed=3)

@@ -1,4 +1,5 @@
 """Models that need nothing from a hub: a tiny random one and the bundled SmolLM2.
+Shared by the workers (node/) and the trainer side (trainer/), so it lives here.
 
 - `tiny`: a random-initialised Qwen2 (hidden 128, 2 layers) with a character-level
   tokenizer, built offline in milliseconds; for tests and quick demos.
@@ -139,6 +140,15 @@ def smollm2_path() -> Path:
     model.save_pretrained(build)
     tokenizer.save_pretrained(build)
     return _publish(build, target)
+
+
+def load_tokenizer(path: str | Path):
+    """The tokenizer of a model folder (a `PreTrainedTokenizerFast`).
+
+    AutoTokenizer maps the char-level tiny tokenizer to a class that drops spaces."""
+    from transformers import PreTrainedTokenizerFast
+
+    return PreTrainedTokenizerFast.from_pretrained(str(path))
 
 
 def resolve_model(name: str, seed: int = 0) -> Path:

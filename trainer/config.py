@@ -1,0 +1,374 @@
+"""Configuration of the trusted side: `prime-trainer rl | train | orchestrate | sft | eval`.
+
+One model per process (`TrainerConfig`, `OrchestratorConfig`, `SFTConfig`, `EvalConfig`)
+and `RLConfig`, which composes a trainer and an orchestrator for one run and hands each
+the settings they must agree on (run directory, model, steps, async_level, batch shape).
+
+Invariants: every field is documented where it is declared; unknown keys, wrong types
+and impossible combinations (a batch not divisible by its group size, async_level < 0,
+a warm-up longer than the run) fail before anything starts, with a message that names the
+key; every process writes its resolved config into `<run_dir>/configs/`.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import Field, field_validator, model_validator
+
+from protocol.config import PrimeSettings, Section
+
+BUNDLED_MODELS = ("tiny", "smollm2")
+
+
+def check_model_name(v: str) -> str:
+    if v in BUNDLED_MODELS:
+        return v
+    p = Path(v).expanduser()
+    if not (p / "config.json").is_file():
+        raise ValueError(
+            f"model {v!r} is neither a bundled model {BUNDLED_MODELS} nor a folder with a "
+            "config.json (a Hugging Face causal LM saved with save_pretrained)"
+        )
+    return str(p.resolve())
+
+
+class ModelConfig(Section):
+    """Which causal LM is trained, and how it is laid out in memory."""
+
+    name: str = "tiny"
+    """'tiny' (random Qwen2, char tokenizer), 'smollm2' (bundled) or a Hugging Face model folder."""
+    dtype: Literal["auto", "float32", "bfloat16"] = "auto"
+    """Parameter dtype for compute: 'auto' is bf16 on GPU (fp32 master weights kept by FSDP2's
+    mixed precision) and fp32 on CPU."""
+    attn_implementation: Literal["sdpa", "eager", "flash_attention_2"] = "sdpa"
+    """Attention kernel passed to transformers."""
+    activation_checkpointing: bool = False
+    """Recompute each decoder layer's activations in the backward pass (less memory, ~30% more compute)."""
+    compile: bool = False
+    """torch.compile each decoder layer (GPU; slow to start on CPU)."""
+
+    @field_validator("name")
+    @classmethod
+    def check_model_exists(cls, v: str) -> str:
+        return check_model_name(v)
+
+
+class OptimConfig(Section):
+    """AdamW with a learning-rate schedule and gradient clipping."""
+
+    lr: float = Field(1e-5, gt=0)
+    """Peak learning rate."""
+    weight_decay: float = Field(0.0, ge=0)
+    """Decoupled weight decay."""
+    betas: tuple[float, float] = (0.9, 0.999)
+    """AdamW betas."""
+    max_norm: float = Field(1.0, gt=0)
+    """Gradients are clipped to this global L2 norm."""
+    warmup_steps: int = Field(0, ge=0)
+    """Linear warm-up from 0 to `lr` over this many steps."""
+    schedule: Literal["constant", "linear", "cosine"] = "constant"
+    """Decay after warm-up, down to `min_lr_ratio * lr` at the last step."""
+    min_lr_ratio: float = Field(0.0, ge=0, le=1)
+    """Floor of the decay, as a fraction of `lr`."""
+
+    @field_validator("betas")
+    @classmethod
+    def check_betas_in_unit_interval(cls, v: tuple[float, float]) -> tuple[float, float]:
+        if not all(0 <= b < 1 for b in v):
+            raise ValueError(f"AdamW betas must lie in [0, 1), got {v}")
+        return v
+
+
+class LossConfig(Section):
+    """The AIPO token-level objective (DESIGN.md section 2, step 7)."""
+
+    delta: float = Field(8.0, gt=1)
+    """Cap on the importance ratio pi_theta / mu (mu: the workers' logprobs)."""
+    kl_coef: float = Field(0.0, ge=0)
+    """Weight of a k3 KL penalty between the policy and the workers' logprobs (0: off)."""
+    entropy_coef: float = Field(0.0, ge=0)
+    """Weight of an entropy bonus (0: off)."""
+    logprob_chunk: int = Field(1024, ge=1)
+    """Tokens per chunk when turning hidden states into logprobs over the vocabulary: the
+    full [tokens, vocab] logits tensor is never held at once."""
+
+
+class CheckpointConfig(Section):
+    """When state is saved and how much is kept."""
+
+    interval: int = Field(5, ge=1)
+    """Save trainer and orchestrator state every this many steps (and at the last step)."""
+    keep_last: int = Field(2, ge=1)
+    """Checkpoints kept; older ones are deleted."""
+    resume: bool = False
+    """Continue from the newest checkpoint in the run directory (same data order)."""
+
+
+class WeightsConfig(Section):
+    """How each new policy reaches the workers (DESIGN.md section 2, step 8)."""
+
+    transport: Literal["filesystem"] = "filesystem"
+    """'filesystem': a shared folder with a stable marker per step (single machine or a
+    shared filesystem); the peer-to-peer swarm plugs into the same interface."""
+    keep_last: int = Field(3, ge=1)
+    """Weight versions kept on disk beyond what async_level still needs."""
+
+
+class MonitorConfig(Section):
+    """What a run reports while it runs."""
+
+    progress: bool = True
+    """A rich progress display on the terminal."""
+    wandb_project: str | None = None
+    """Also log to this Weights & Biases project (needs `wandb` installed and a login)."""
+    plot: bool = True
+    """Write a PNG of reward and loss curves into the run directory at the end."""
+
+
+class RunSettings(PrimeSettings):
+    """Fields every trusted-side process has."""
+
+    run_dir: Path = Path("runs/default")
+    """Run directory: configs/, checkpoints/, weights/, rollouts/, logs/ and metrics.jsonl."""
+    seed: int = 0
+    """Seed for model initialisation, data order and sampling seeds on the trusted side."""
+    monitor: MonitorConfig = MonitorConfig()
+    """Progress, metrics file, W&B, plots."""
+
+
+class TrainerConfig(RunSettings):
+    """`prime-trainer train`: learns from the orchestrator's batches, writes weights."""
+
+    model: ModelConfig = ModelConfig()
+    """The policy being trained."""
+    optim: OptimConfig = OptimConfig()
+    """Optimizer and schedule."""
+    loss: LossConfig = LossConfig()
+    """RL objective."""
+    ckpt: CheckpointConfig = CheckpointConfig()
+    """Checkpoints."""
+    weights: WeightsConfig = WeightsConfig()
+    """Weight transport to the workers."""
+    max_steps: int = Field(20, ge=1)
+    """Optimizer steps of the run."""
+    async_level: int = Field(2, ge=0)
+    """A sample generated by policy v is trained on at step n only if n - v <= async_level."""
+    micro_batch_tokens: int = Field(4096, ge=16)
+    """Tokens per packed micro-batch (several samples share one row; attention never
+    crosses a sample boundary)."""
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    """Where to train: 'auto' picks CUDA when present."""
+    batch_timeout_s: float = Field(3600.0, gt=0)
+    """Give up when the orchestrator has produced no batch for this long."""
+
+    @model_validator(mode="after")
+    def check_warmup_fits_run(self) -> TrainerConfig:
+        if self.optim.warmup_steps > self.max_steps:
+            raise ValueError(
+                f"optim.warmup_steps ({self.optim.warmup_steps}) exceeds max_steps ({self.max_steps})"
+            )
+        return self
+
+
+class EnvConfig(Section):
+    """A verifiers environment (classic in-process API, verifiers 0.3.x)."""
+
+    id: str = "reverse-text"
+    """A bundled environment ('reverse-text', 'count-turns') or 'module:function' returning
+    a verifiers Environment."""
+    args: dict[str, Any] = {}
+    """Keyword arguments for the environment's loader (e.g. {num_examples = 500})."""
+
+
+class SamplingConfig(Section):
+    """Sampling parameters of every rollout request."""
+
+    temperature: float = Field(1.0, gt=0)
+    """Softmax temperature (RL needs exploration: keep it near 1)."""
+    top_p: float = Field(1.0, gt=0, le=1)
+    """Nucleus sampling mass."""
+    max_tokens: int = Field(64, ge=1)
+    """Completion length cap per turn."""
+
+
+class OrchestratorConfig(RunSettings):
+    """`prime-trainer orchestrate`: environment -> rollout requests -> verified, scored batches."""
+
+    env: EnvConfig = EnvConfig()
+    """Where prompts and rewards come from."""
+    sampling: SamplingConfig = SamplingConfig()
+    """Sampling parameters."""
+    ckpt: CheckpointConfig = CheckpointConfig()
+    """Orchestrator checkpoints (step, buffer, results cursor)."""
+    weights: WeightsConfig = WeightsConfig()
+    """Weight transport (must match the trainer's)."""
+    pool: Path = Path("configs/pools/local.pool")
+    """The signed pool file (gives pool id, model and the scheduler's trust anchors)."""
+    scheduler: str = "http://127.0.0.1:7700"
+    """Scheduler URL (comma-separated for replicas)."""
+    trainer_key: Path = Path("keys/trainer.key")
+    """The pool's trainer key: signs weight updates and rollout submissions."""
+    model_name: str = ""
+    """Model name sent in OpenAI requests ('' : the pool's model)."""
+    max_steps: int = Field(20, ge=1)
+    """Batches to produce."""
+    async_level: int = Field(2, ge=0)
+    """Batch n is generated by policy >= n - async_level and never trained on later."""
+    batch_size: int = Field(32, ge=1)
+    """Rollouts (episodes) per training step."""
+    group_size: int = Field(8, ge=2)
+    """Rollouts per prompt; the advantage is reward minus the group's mean reward."""
+    max_concurrent: int = Field(64, ge=1)
+    """Episodes in flight at once."""
+    max_rounds: int = Field(8, ge=1)
+    """Generation rounds per step before a step goes ahead with fewer groups than asked
+    (all-equal groups are dropped; a step must not spin forever on an easy dataset)."""
+
+    @model_validator(mode="after")
+    def check_batch_divisible_by_group(self) -> OrchestratorConfig:
+        if self.batch_size % self.group_size:
+            raise ValueError(
+                f"batch_size ({self.batch_size}) must be a multiple of group_size "
+                f"({self.group_size}): each prompt contributes one whole group"
+            )
+        return self
+
+
+class RLTrainerSection(Section):
+    """Trainer settings of an `rl` run (run-wide settings come from the top level)."""
+
+    optim: OptimConfig = OptimConfig()
+    """Optimizer and schedule."""
+    loss: LossConfig = LossConfig()
+    """RL objective."""
+    micro_batch_tokens: int = Field(4096, ge=16)
+    """Tokens per packed micro-batch."""
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    """Where to train."""
+    nproc: int = Field(1, ge=1)
+    """Trainer processes (torchrun --nproc-per-node) sharing the model with FSDP2."""
+
+
+class RLOrchestratorSection(Section):
+    """Orchestrator settings of an `rl` run."""
+
+    env: EnvConfig = EnvConfig()
+    """Environment."""
+    sampling: SamplingConfig = SamplingConfig()
+    """Sampling parameters."""
+    pool: Path = Path("configs/pools/local.pool")
+    """The signed pool file."""
+    scheduler: str = "http://127.0.0.1:7700"
+    """Scheduler URL(s)."""
+    trainer_key: Path = Path("keys/trainer.key")
+    """The pool's trainer key."""
+    max_concurrent: int = Field(64, ge=1)
+    """Episodes in flight at once."""
+    max_rounds: int = Field(8, ge=1)
+    """Generation rounds per step before going ahead with fewer groups."""
+
+
+class RLConfig(RunSettings):
+    """`prime-trainer rl`: one run, a trainer and an orchestrator agreeing on its shape."""
+
+    model: ModelConfig = ModelConfig()
+    """Policy (also what the pool's workers must serve at version 0)."""
+    max_steps: int = Field(20, ge=1)
+    """Training steps."""
+    async_level: int = Field(2, ge=0)
+    """Off-policy lag allowed between the policy that generated a sample and the step that trains on it."""
+    batch_size: int = Field(32, ge=1)
+    """Rollouts per step."""
+    group_size: int = Field(8, ge=2)
+    """Rollouts per prompt."""
+    ckpt: CheckpointConfig = CheckpointConfig()
+    """Checkpoints of both processes."""
+    weights: WeightsConfig = WeightsConfig()
+    """Weight transport."""
+    trainer: RLTrainerSection = RLTrainerSection()
+    """Trainer-only settings."""
+    orchestrator: RLOrchestratorSection = RLOrchestratorSection()
+    """Orchestrator-only settings."""
+
+    @model_validator(mode="after")
+    def check_batch_divisible_by_group(self) -> RLConfig:
+        if self.batch_size % self.group_size:
+            raise ValueError(
+                f"batch_size ({self.batch_size}) must be a multiple of group_size "
+                f"({self.group_size}): each prompt contributes one whole group"
+            )
+        return self
+
+    def trainer_config(self) -> TrainerConfig:
+        t = self.trainer
+        return TrainerConfig(
+            run_dir=self.run_dir,
+            seed=self.seed,
+            monitor=self.monitor,
+            model=self.model,
+            optim=t.optim,
+            loss=t.loss,
+            ckpt=self.ckpt,
+            weights=self.weights,
+            max_steps=self.max_steps,
+            async_level=self.async_level,
+            micro_batch_tokens=t.micro_batch_tokens,
+            device=t.device,
+        )
+
+    def orchestrator_config(self) -> OrchestratorConfig:
+        o = self.orchestrator
+        return OrchestratorConfig(
+            run_dir=self.run_dir,
+            seed=self.seed,
+            monitor=self.monitor,
+            ckpt=self.ckpt,
+            weights=self.weights,
+            max_steps=self.max_steps,
+            async_level=self.async_level,
+            batch_size=self.batch_size,
+            group_size=self.group_size,
+            **o.model_dump(),
+        )
+
+
+class SFTConfig(RunSettings):
+    """`prime-trainer sft`: supervised warm-up on (prompt, completion) pairs."""
+
+    model: ModelConfig = ModelConfig()
+    """Model to fine-tune."""
+    optim: OptimConfig = OptimConfig(lr=1e-3)
+    """Optimizer and schedule."""
+    env: EnvConfig = EnvConfig()
+    """Environment whose bundled SFT data is used (reverse-text generates its own)."""
+    num_examples: int = Field(2000, ge=1)
+    """SFT examples generated."""
+    batch_size: int = Field(32, ge=1)
+    """Examples per optimizer step."""
+    max_steps: int = Field(100, ge=1)
+    """Optimizer steps."""
+    micro_batch_tokens: int = Field(4096, ge=16)
+    """Tokens per packed micro-batch."""
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    """Where to train."""
+    output: Path | None = None
+    """Folder for the final model ('' : <run_dir>/final)."""
+
+
+class EvalConfig(RunSettings):
+    """`prime-trainer eval`: mean reward of a model on an environment, through a pool or a node."""
+
+    env: EnvConfig = EnvConfig()
+    """Environment."""
+    sampling: SamplingConfig = SamplingConfig()
+    """Sampling parameters."""
+    base_url: str = "http://127.0.0.1:7700/v1"
+    """OpenAI-compatible endpoint (a scheduler's or a single node's)."""
+    model_name: str = "tiny"
+    """Model name sent in requests."""
+    num_examples: int = Field(32, ge=1)
+    """Prompts evaluated."""
+    rollouts_per_example: int = Field(1, ge=1)
+    """Samples per prompt."""
