@@ -1,0 +1,51 @@
+"""The environment adapter: the only place that knows verifiers' API (0.3.x, classic,
+in-process; 0.4 runs rollouts in uv-managed subprocesses that download packages, which a
+training run must not depend on).
+
+`load_environment(EnvConfig)` returns a verifiers Environment: a bundled one by id, or any
+'module:function' that returns one. Bundled: 'reverse-text' (single turn) and
+'reverse-text-chain' (two turns, so the multi-turn path is exercised).
+
+Invariant: rewards are computed here, on the trusted side, by the environment's rubric;
+nothing a worker returns is taken as a reward.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+from trainer.config import EnvConfig
+
+BUNDLED = {
+    "reverse-text": "trainer.envs.reverse_text:load_environment",
+    "reverse-text-chain": "trainer.envs.reverse_text_chain:load_environment",
+}
+
+
+def _resolve(target: str):
+    module, _, func = target.partition(":")
+    if not func:
+        raise ValueError(
+            f"environment {target!r} is neither bundled {sorted(BUNDLED)} nor 'module:function'"
+        )
+    try:
+        return getattr(importlib.import_module(module), func)
+    except (ImportError, AttributeError) as exc:
+        raise ValueError(f"cannot load environment {target!r}: {exc}") from exc
+
+
+def load_environment(cfg: EnvConfig) -> Any:
+    """A verifiers Environment for `cfg` (with `cfg.args` passed to its loader)."""
+    return _resolve(BUNDLED.get(cfg.id, cfg.id))(**cfg.args)
+
+
+def sft_examples(cfg: EnvConfig, num_examples: int, seed: int) -> list[dict]:
+    """Chat-format SFT examples (`{"prompt": [...], "completion": [...]}`) of a bundled
+    environment that ships them."""
+    target = BUNDLED.get(cfg.id, cfg.id)
+    module = importlib.import_module(target.partition(":")[0])
+    make = getattr(module, "sft_examples", None)
+    if make is None:
+        raise ValueError(f"environment {cfg.id!r} ships no SFT data (no sft_examples function)")
+    return make(num_examples=num_examples, seed=seed, **cfg.args)

@@ -1,0 +1,263 @@
+"""The orchestrator (`prime-trainer orchestrate`): environment -> rollouts through the pool
+-> verified, scored, filtered batches for the trainer (DESIGN.md section 2, steps 1 and 6).
+
+Per step n it waits until the trainer has written policy n - async_level (and has it
+announced to the pool), samples prompts with a seed derived from (pool, seed, step,
+round), runs the verifiers environment with its client pointed at the scheduler's
+OpenAI-compatible endpoint (`min_version` = n - async_level), joins every turn with its
+verdict from the scheduler's results stream, scores with the environment's rubric, and
+writes `rollouts/step_<n>.pt`.
+
+Invariants: an episode is trained on only if every turn was accepted (trainer/rollouts.py);
+no sample older than async_level reaches a batch; the orchestrator runs at most
+async_level steps ahead of the trainer, so the trainer never waits while inference keeps
+up; resuming recomputes nothing that already exists: a batch file on disk is kept, and
+prompt order depends only on (pool, seed, step, round).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hashlib
+import json
+import logging
+import os
+import random
+import time
+from dataclasses import asdict
+from pathlib import Path
+
+from protocol.envelope import open_envelope
+from protocol.identity import Identity
+from protocol.messages import PoolConfig
+from protocol.scheduler_client import SchedulerClient
+from trainer.batch import Batch, TrainingSample, batch_path, write_batch
+from trainer.config import OrchestratorConfig
+from trainer.envs import load_environment
+from trainer.monitor import Monitor
+from trainer.rollouts import Verdict, build_samples, episodes_from_outputs
+from trainer.weights import make_transport
+
+log = logging.getLogger("prime.orchestrator")
+API_KEY_VAR = "PRIME_POOL_API_KEY"  # verifiers wants a key variable; the pool needs none
+VERDICT_TIMEOUT_S = 300.0
+
+
+class OrchestratorError(RuntimeError):
+    """A setup problem the user must fix (wrong key, unreadable pool file)."""
+
+
+def prompt_indices(pool_id: str, seed: int, step: int, rnd: int, k: int, n: int) -> list[int]:
+    """k distinct dataset rows for (pool, seed, step, round): nobody picks easy prompts."""
+    digest = hashlib.sha256(f"{pool_id}:{seed}:{step}:{rnd}".encode()).digest()
+    return random.Random(digest).sample(range(n), min(k, n))
+
+
+def _state_path(run_dir: Path, step: int) -> Path:
+    return Path(run_dir) / "checkpoints" / f"step_{step}" / "orchestrator.json"
+
+
+def latest_state(run_dir: Path) -> dict | None:
+    found = sorted(
+        (Path(run_dir) / "checkpoints").glob("step_*/orchestrator.json"),
+        key=lambda p: int(p.parent.name.removeprefix("step_")),
+    )
+    return json.loads(found[-1].read_text()) if found else None
+
+
+class Orchestrator:
+    def __init__(self, cfg: OrchestratorConfig):
+        self.cfg = cfg
+        try:
+            pool = open_envelope(Path(cfg.pool).read_bytes(), PoolConfig, check_expiry=False)
+        except Exception as exc:
+            raise OrchestratorError(f"cannot read the pool file {cfg.pool}: {exc}") from exc
+        self.pool: PoolConfig = pool.message
+        if not Path(cfg.trainer_key).exists():
+            raise OrchestratorError(f"trainer key {cfg.trainer_key} not found")
+        self.identity = Identity.load_or_create(cfg.trainer_key)
+        if self.identity.public_key != self.pool.trainer_public_key:
+            raise OrchestratorError(
+                f"{cfg.trainer_key} is not the trainer key of pool {self.pool.pool_id!r}: "
+                "workers would refuse its weights"
+            )
+        self.env = load_environment(cfg.env)
+        self.dataset = self.env.get_dataset()
+        self.transport = make_transport(cfg.weights.transport, cfg.run_dir, cfg.weights.keep_last)
+        self.verdicts: dict[str, Verdict] = {}
+        self.verdict_event = asyncio.Event()
+        self.cursor = 0
+        self.published = -1
+        self.buffer: list[list[TrainingSample]] = []  # spare groups for the next step
+        self.start_step = 1
+        if cfg.ckpt.resume and (state := latest_state(cfg.run_dir)):
+            self.start_step = state["step"] + 1
+            self.cursor = state["cursor"]
+            self.buffer = [[TrainingSample(**s) for s in g] for g in state["buffer"]]
+            log.info("resuming after step %d (results cursor %d)", state["step"], self.cursor)
+
+    # -- background tasks -----------------------------------------------------------
+    async def _follow_results(self, client: SchedulerClient) -> None:
+        async for r in client.stream(self.cursor, wait_s=5.0):
+            if r.source == "openai":
+                self.verdicts[r.request_id] = Verdict(r.status, r.weights_version)
+                self.verdict_event.set()
+            self.cursor = r.seq
+
+    async def _publish_weights(self, client: SchedulerClient) -> None:
+        while True:
+            latest = self.transport.latest()
+            if latest is not None and latest > self.published:
+                await client.publish_weights(self.transport.update(latest))
+                self.published = latest
+                log.info("announced weights v%d to the pool", latest)
+            await asyncio.sleep(0.1)
+
+    async def _wait_policy(self, version: int) -> float:
+        t0 = time.monotonic()
+        while self.published < version:
+            await asyncio.sleep(0.05)
+        return time.monotonic() - t0
+
+    async def _wait_verdicts(self, ids: list[str]) -> None:
+        deadline = time.monotonic() + VERDICT_TIMEOUT_S
+        while any(i not in self.verdicts for i in ids) and time.monotonic() < deadline:
+            self.verdict_event.clear()
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self.verdict_event.wait(), 1.0)
+
+    # -- one step ---------------------------------------------------------------------
+    def _sampling_args(self, min_version: int) -> dict:
+        s = self.cfg.sampling
+        return {
+            "temperature": s.temperature,
+            "top_p": s.top_p,
+            "max_tokens": s.max_tokens,
+            "logprobs": True,
+            "extra_body": {"return_token_ids": True, "min_version": min_version},
+        }
+
+    async def _round(self, step: int, rnd: int, groups: int, min_version: int):
+        import verifiers as vf
+
+        rows = prompt_indices(
+            self.pool.pool_id, self.cfg.seed, step, rnd, groups, len(self.dataset)
+        )
+        inputs = [dict(self.dataset[i]) for i in rows for _ in range(self.cfg.group_size)]
+        base = self.cfg.scheduler.split(",")[0].rstrip("/")
+        out = await self.env.generate(
+            inputs,
+            client=vf.ClientConfig(api_base_url=f"{base}/v1", api_key_var=API_KEY_VAR),
+            model=self.cfg.model_name or self.pool.model,
+            sampling_args=self._sampling_args(min_version),
+            max_concurrent=self.cfg.max_concurrent,
+            state_columns=["trajectory"],
+            on_progress=lambda *a, **k: None,
+        )
+        episodes = episodes_from_outputs(out["outputs"], f"{step}/{rnd}")
+        await self._wait_verdicts([t.rollout_id for ep in episodes for t in ep.turns])
+        return build_samples(episodes, self.verdicts, min_version)
+
+    async def produce(self, step: int) -> dict[str, float]:
+        cfg = self.cfg
+        min_version = max(0, step - cfg.async_level)
+        waited = await self._wait_policy(min_version)
+        t0 = time.monotonic()
+        needed = cfg.batch_size // cfg.group_size
+        chosen = [g for g in self.buffer if min(s.version for s in g) >= min_version][:needed]
+        self.buffer = []
+        rewards: list[float] = []
+        counts: dict[str, int] = {}
+        rounds = 0
+        while len(chosen) < needed and rounds < cfg.max_rounds:
+            groups, filt = await self._round(step, rounds, needed - len(chosen), min_version)
+            rounds += 1
+            rewards += filt.rewards
+            for k, v in filt.counts.items():
+                counts[k] = counts.get(k, 0) + v
+            fresh = list(groups.values())
+            take = needed - len(chosen)
+            chosen += fresh[:take]
+            self.buffer += fresh[take:]
+        samples = [s for g in chosen for s in g]
+        metrics = {
+            "reward_mean": sum(rewards) / len(rewards) if rewards else 0.0,
+            "reward_std": _std(rewards),
+            "episodes": len(rewards),
+            "groups": len(chosen),
+            "samples": len(samples),
+            "rounds": rounds,
+            "wait_policy_s": waited,
+            "generate_s": time.monotonic() - t0,
+            "min_version": min_version,
+            **{f"dropped_{k}": v for k, v in counts.items()},
+        }
+        if not samples:
+            log.warning("step %d: no group carried a learning signal (%s)", step, counts)
+        write_batch(cfg.run_dir, Batch(step, samples, metrics))
+        self.transport.cleanup(keep_from=min_version)
+        return metrics
+
+    def _checkpoint(self, step: int) -> None:
+        path = _state_path(self.cfg.run_dir, step)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        state = {
+            "step": step,
+            "cursor": self.cursor,
+            "buffer": [[asdict(s) for s in g] for g in self.buffer],
+        }
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(state))
+        os.replace(tmp, path)
+
+    async def run(self) -> None:
+        cfg = self.cfg
+        os.environ.setdefault(API_KEY_VAR, "unused")
+        monitor = Monitor(
+            cfg.run_dir, "orchestrator", cfg.monitor, cfg.max_steps, self.start_step - 1
+        )
+        async with SchedulerClient(cfg.scheduler, self.identity, self.pool.pool_id) as client:
+            tasks = [
+                asyncio.create_task(self._follow_results(client), name="results"),
+                asyncio.create_task(self._publish_weights(client), name="publish"),
+            ]
+            try:
+                for step in range(self.start_step, cfg.max_steps + 1):
+                    if batch_path(cfg.run_dir, step).exists():
+                        continue  # written before a restart: same data, keep it
+                    metrics = await self._checked(self.produce(step), tasks)
+                    monitor.log(step, metrics)
+                    if step % cfg.ckpt.interval == 0 or step == cfg.max_steps:
+                        self._checkpoint(step)
+            finally:
+                for t in tasks:
+                    t.cancel()
+                await asyncio.gather(*tasks, return_exceptions=True)
+                monitor.close()
+
+    @staticmethod
+    async def _checked(work, tasks: list[asyncio.Task]):
+        """Run `work`, but fail at once if a background task died (the pool is gone)."""
+        main = asyncio.ensure_future(work)
+        done, _ = await asyncio.wait([main, *tasks], return_when=asyncio.FIRST_COMPLETED)
+        if main not in done:
+            main.cancel()
+            dead = next(iter(done))
+            raise OrchestratorError(f"{dead.get_name()} stopped: {dead.exception()!r}")
+        return main.result()
+
+
+def _std(xs: list[float]) -> float:
+    if len(xs) < 2:
+        return 0.0
+    m = sum(xs) / len(xs)
+    return (sum((x - m) ** 2 for x in xs) / (len(xs) - 1)) ** 0.5
+
+
+def main(argv: list[str]) -> None:
+    from protocol.config import load_config, write_resolved
+
+    cfg = load_config(OrchestratorConfig, argv)
+    write_resolved(cfg, Path(cfg.run_dir) / "configs" / "orchestrator.toml")
+    asyncio.run(Orchestrator(cfg).run())
