@@ -202,13 +202,14 @@ def make_pool(
     admission: AdmissionPolicy | None = None,
     reputation: ReputationPolicy | None = None,
     verification: VerificationPolicy | None = None,
+    model: str = "tiny",
 ) -> Pool:
     workdir.mkdir(parents=True, exist_ok=True)
     owner = Identity.load_or_create(workdir / "owner.key")
     trainer = Identity.load_or_create(workdir / "trainer.key")
     config = PoolConfig(
         pool_id=pool_id,
-        model="tiny",
+        model=model,
         trainer_public_key=trainer.public_key,
         admission=admission or AdmissionPolicy(),
         verification=verification or tiny_verification(),

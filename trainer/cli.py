@@ -1,12 +1,136 @@
-"""`prime-trainer`: trainer + orchestrator (built in the trainer issue)."""
+"""`prime-trainer`: the trusted side's commands.
+
+- `rl`: one RL run; starts a trainer (under torchrun when trainer.nproc > 1) and an
+  orchestrator as child processes, shows their progress, stops both if either fails,
+  and plots the run at the end.
+- `train` / `orchestrate`: each half alone (multi-node deployments).
+- `sft`: supervised warm-up on an environment's bundled data.
+- `eval`: mean reward of whatever serves an OpenAI-compatible endpoint.
+
+Every command takes `@ file.toml` and `--section.key value` flags (protocol.config) and
+writes its resolved config into `<run_dir>/configs/`.
+"""
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 import typer
+from rich.console import Console
+
+from protocol.config import ConfigError, load_config, write_resolved
+from protocol.logs import setup_logging
 
 app = typer.Typer(
     help="prime-swarm trainer and orchestrator.", no_args_is_help=True, add_completion=False
 )
+console = Console(stderr=True)
+EXTRA = {"allow_extra_args": True, "ignore_unknown_options": True}
+
+
+def _config(cls, args: list[str]):
+    try:
+        return load_config(cls, args)
+    except ConfigError as exc:
+        console.print(f"[red]config error:[/red] {exc}")
+        raise typer.Exit(2) from exc
+
+
+@app.command(context_settings=EXTRA)
+def rl(ctx: typer.Context) -> None:
+    """Run RL: trainer + orchestrator on one pool (`@ configs/rl/reverse-text.toml`)."""
+    from trainer.config import RLConfig
+    from trainer.launcher import run_rl
+
+    cfg = _config(RLConfig, ctx.args)
+    raise typer.Exit(run_rl(cfg, console))
+
+
+@app.command(context_settings=EXTRA)
+def train(ctx: typer.Context) -> None:
+    """The trainer alone: waits for the orchestrator's batches in the run directory."""
+    from trainer.config import TrainerConfig
+    from trainer.train import main
+
+    _config(TrainerConfig, ctx.args)  # fail fast with a clear message before torch starts
+    main(ctx.args)
+
+
+@app.command(context_settings=EXTRA)
+def orchestrate(ctx: typer.Context) -> None:
+    """The orchestrator alone: environment -> pool -> batches in the run directory."""
+    import asyncio
+
+    from trainer.config import OrchestratorConfig
+    from trainer.orchestrator import Orchestrator, OrchestratorError
+
+    setup_logging("prime.orchestrator")
+    cfg = _config(OrchestratorConfig, ctx.args)
+    write_resolved(cfg, Path(cfg.run_dir) / "configs" / "orchestrator.toml")
+    try:
+        asyncio.run(Orchestrator(cfg).run())
+    except OrchestratorError as exc:
+        console.print(f"[red]orchestrator:[/red] {exc}")
+        raise typer.Exit(1) from exc
+
+
+@app.command(context_settings=EXTRA)
+def sft(ctx: typer.Context) -> None:
+    """Supervised warm-up on an environment's SFT data; writes a model folder."""
+    from trainer.config import SFTConfig
+    from trainer.envs import sft_examples
+    from trainer.sft_data import tokenize_examples
+    from trainer.train import train_sft
+    from verifier.models import load_tokenizer, resolve_model
+
+    cfg = _config(SFTConfig, ctx.args)
+    write_resolved(cfg, Path(cfg.run_dir) / "configs" / "sft.toml")
+    tokenizer = load_tokenizer(resolve_model(cfg.model.name))
+    samples = tokenize_examples(tokenizer, sft_examples(cfg.env, cfg.num_examples, cfg.seed))
+    out = train_sft(cfg, samples)
+    console.print(f"SFT model written to {out}")
+
+
+@app.command(name="eval", context_settings=EXTRA)
+def evaluate(ctx: typer.Context) -> None:
+    """Mean reward on an environment through an OpenAI-compatible endpoint."""
+    import asyncio
+    import os
+
+    import verifiers as vf
+
+    from trainer.config import EvalConfig
+    from trainer.envs import load_environment
+
+    cfg = _config(EvalConfig, ctx.args)
+    write_resolved(cfg, Path(cfg.run_dir) / "configs" / "eval.toml")
+    os.environ.setdefault("PRIME_POOL_API_KEY", "unused")
+    env = load_environment(cfg.env)
+    out = asyncio.run(
+        env.evaluate(
+            client=vf.ClientConfig(api_base_url=cfg.base_url, api_key_var="PRIME_POOL_API_KEY"),
+            model=cfg.model_name,
+            sampling_args={
+                "temperature": cfg.sampling.temperature,
+                "top_p": cfg.sampling.top_p,
+                "max_tokens": cfg.sampling.max_tokens,
+            },
+            num_examples=cfg.num_examples,
+            rollouts_per_example=cfg.rollouts_per_example,
+        )
+    )
+    rewards = [float(o["reward"]) for o in out["outputs"]]
+    result = {
+        "env": cfg.env.id,
+        "episodes": len(rewards),
+        "reward_mean": sum(rewards) / len(rewards),
+    }
+    path = Path(cfg.run_dir) / "eval.json"
+    path.write_text(json.dumps(result, indent=2))
+    console.print(
+        f"{cfg.env.id}: mean reward {result['reward_mean']:.3f} over {len(rewards)} episodes"
+    )
 
 
 @app.command()

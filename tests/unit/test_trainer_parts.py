@@ -1,0 +1,148 @@
+"""The trusted side's small parts: config validation, episode filtering, advantages,
+prompt sampling, rewards, SFT tokenization, batch files, weight folders."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from protocol.config import ConfigError, load_config
+from trainer.batch import Batch, TrainingSample, read_batch, write_batch
+from trainer.config import OrchestratorConfig, RLConfig, TrainerConfig
+from trainer.envs.reverse_text import lcs_ratio, reward_lcs
+from trainer.orchestrator import prompt_indices
+from trainer.rollouts import Episode, Turn, Verdict, build_samples
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--async-level", "-1"], "async_level"),
+        (["--batch-size", "30", "--group-size", "8"], "multiple of group_size"),
+        (["--no-such-key", "1"], "no_such_key"),
+        (["--trainer.optim.lr", "fast"], "trainer.optim.lr"),
+        (["--model.name", "/nonexistent/model"], "neither a bundled model"),
+        (["--trainer.optim.betas", "[0.9, 1.5]"], "betas"),
+    ],
+)
+def test_bad_rl_config_stops_with_a_clear_message(argv, message):
+    with pytest.raises(ConfigError, match=message):
+        load_config(RLConfig, argv)
+
+
+def test_bad_config_stops_the_cli_before_anything_starts(tmp_path):
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "trainer.cli",
+            "rl",
+            "--batch-size",
+            "30",
+            "--group-size",
+            "8",
+            "--run-dir",
+            str(tmp_path / "run"),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert out.returncode == 2
+    assert "multiple of group_size" in out.stderr
+    assert not (tmp_path / "run").exists(), "a rejected config must not start a run"
+
+
+def test_trainer_warmup_longer_than_run_is_refused():
+    with pytest.raises(ConfigError, match="warmup_steps"):
+        load_config(TrainerConfig, ["--max-steps", "3", "--optim.warmup-steps", "5"])
+
+
+def test_rl_config_hands_shared_settings_to_both_processes(tmp_path):
+    cfg = load_config(
+        RLConfig, ["--run-dir", str(tmp_path), "--async-level", "3", "--max-steps", "7"]
+    )
+    t, o = cfg.trainer_config(), cfg.orchestrator_config()
+    assert (t.async_level, o.async_level, t.max_steps, o.max_steps) == (3, 3, 7, 7)
+    assert t.run_dir == o.run_dir == tmp_path
+
+
+def turn(rid: str, n: int = 3) -> Turn:
+    return Turn(rid, [1, 2], list(range(5, 5 + n)), [1] * n, [-0.5] * n)
+
+
+def test_episodes_with_any_unaccepted_turn_are_dropped_and_advantages_centre_on_kept():
+    eps = [
+        Episode("g", 1.0, [turn("a1"), turn("a2")]),
+        Episode("g", 0.0, [turn("b1")]),
+        Episode("g", 0.5, [turn("c1"), turn("c2")]),  # second turn rejected
+        Episode("g", 0.2, [turn("d1")]),  # stale
+    ]
+    verdicts = {
+        "a1": Verdict("accepted", 4),
+        "a2": Verdict("accepted", 5),
+        "b1": Verdict("accepted", 5),
+        "c1": Verdict("accepted", 5),
+        "c2": Verdict("rejected", 5),
+        "d1": Verdict("accepted", 2),
+    }
+    groups, filt = build_samples(eps, verdicts, min_version=3)
+    samples = groups["g"]
+    assert len(samples) == 3  # a's two turns, b's one
+    assert [s.advantage for s in samples] == [0.5, 0.5, -0.5]
+    assert samples[0].version == 4, "an episode is as old as its oldest turn"
+    assert filt.counts == {"rejected": 1, "stale": 1}
+    s = samples[0]
+    assert s.loss_mask == [False, False, True, True, True]
+    assert s.logprobs == [0.0, 0.0, -0.5, -0.5, -0.5]
+
+
+def test_groups_with_equal_rewards_carry_no_signal_and_are_counted():
+    eps = [Episode("same", 1.0, [turn(f"s{i}")]) for i in range(4)]
+    eps += [Episode("lone", 1.0, [turn("l0")]), Episode("lone", 0.0, [turn("l1")])]
+    verdicts = {f"s{i}": Verdict("accepted", 0) for i in range(4)}
+    verdicts |= {"l0": Verdict("accepted", 0), "l1": Verdict("failed", 0)}
+    groups, filt = build_samples(eps, verdicts, min_version=0)
+    assert groups == {}
+    assert filt.counts == {"uniform_group": 2, "failed": 1}
+
+
+def test_prompts_depend_on_pool_seed_and_step_only():
+    a = prompt_indices("pool", 0, 5, 0, 8, 1000)
+    assert a == prompt_indices("pool", 0, 5, 0, 8, 1000)
+    assert len(set(a)) == 8
+    assert a != prompt_indices("pool", 0, 6, 0, 8, 1000)
+    assert a != prompt_indices("other", 0, 5, 0, 8, 1000)
+
+
+def test_reverse_text_reward_is_the_lcs_ratio():
+    assert lcs_ratio("abc", "abc") == 1.0
+    assert lcs_ratio("", "abc") == 0.0
+    assert lcs_ratio("abd", "abc") == pytest.approx(2 / 3)
+    assert reward_lcs([{"role": "assistant", "content": " cba "}], "cba") == 1.0
+
+
+def test_batch_file_drops_stale_samples(tmp_path):
+    def sample(v: int) -> TrainingSample:
+        return TrainingSample([1, 2, 3], [False, True, True], [0, -1, -1], 0.5, version=v)
+
+    write_batch(tmp_path, Batch(6, [sample(4), sample(3), sample(6)], {"reward_mean": 0.3}))
+    batch, stale = read_batch(tmp_path, 6, async_level=2)
+    assert stale == 1 and [s.version for s in batch.samples] == [4, 6]
+    assert batch.metrics == {"reward_mean": 0.3}
+    with pytest.raises(ValueError, match="disagree in length"):
+        TrainingSample([1, 2], [True], [0.0, 0.0], 1.0)
+
+
+def test_orchestrator_refuses_a_key_that_is_not_the_pools_trainer(tmp_path):
+    from protocol.identity import Identity
+    from tests.pools import make_pool
+    from trainer.orchestrator import Orchestrator, OrchestratorError
+
+    pool = make_pool(tmp_path)
+    Identity.load_or_create(tmp_path / "other.key")
+    cfg = OrchestratorConfig(pool=pool.pool_file, trainer_key=tmp_path / "other.key")
+    with pytest.raises(OrchestratorError, match="not the trainer key"):
+        Orchestrator(cfg)
