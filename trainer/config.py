@@ -93,6 +93,9 @@ class LossConfig(Section):
     logprob_chunk: int = Field(1024, ge=1)
     """Tokens per chunk when turning hidden states into logprobs over the vocabulary: the
     full [tokens, vocab] logits tensor is never held at once."""
+    temperature: float = Field(1.0, gt=0)
+    """The trainer's logprobs are those of softmax(logits / temperature): set it to the
+    temperature under which the workers' logprobs mu were computed."""
 
 
 class CheckpointConfig(Section):
@@ -162,6 +165,9 @@ class TrainerConfig(RunSettings):
     """Where to train: 'auto' picks CUDA when present."""
     batch_timeout_s: float = Field(3600.0, gt=0)
     """Give up when the orchestrator has produced no batch for this long."""
+    peak_flops: float | None = Field(None, gt=0)
+    """Peak FLOP/s of one device, for the `mfu` metric (None: 989e12 on an H100/H200 in
+    bf16, unknown elsewhere, and then mfu is reported as 0)."""
 
     @model_validator(mode="after")
     def check_warmup_fits_run(self) -> TrainerConfig:

@@ -1,0 +1,104 @@
+"""Parallelism pieces, composed torchtitan-style: process group, AC, compile, FSDP2.
+
+Apply them in this order: `apply_activation_checkpointing`, `apply_compile`,
+`apply_fsdp`. Each one changes the model in place and works on any HF causal LM whose
+blocks sit in `model.model.layers`.
+
+Invariants: a single process never needs torchrun and never creates a process group;
+under torchrun every rank shards every decoder layer then the root (`PolicyModel`), so
+the final norm and LM head are one FSDP unit with the embedding; state-dict keys are
+those of the HF model (AC wrappers and in-place compile leave them unchanged).
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from trainer.model import decoder_layers
+
+
+def init_distributed() -> tuple[int, int]:
+    """(rank, world_size); joins the process group only under torchrun (WORLD_SIZE > 1)."""
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world <= 1:
+        return 0, 1
+    if not dist.is_initialized():
+        if torch.cuda.is_available():
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+            dist.init_process_group("nccl")
+        else:
+            dist.init_process_group("gloo")
+    return dist.get_rank(), dist.get_world_size()
+
+
+def is_distributed() -> bool:
+    return dist.is_available() and dist.is_initialized()
+
+
+def all_reduce_sum(t: torch.Tensor) -> torch.Tensor:
+    """Sum over ranks (a no-op in a single process); returns `t`, reduced in place."""
+    if is_distributed():
+        dist.all_reduce(t, op=dist.ReduceOp.SUM)
+    return t
+
+
+def destroy_distributed() -> None:
+    if is_distributed():
+        dist.destroy_process_group()
+
+
+def apply_activation_checkpointing(policy: nn.Module) -> None:
+    """Recompute every decoder layer in the backward (non-reentrant checkpoint)."""
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+
+    layers = decoder_layers(policy.lm)
+    for i, layer in enumerate(layers):
+        layers[i] = checkpoint_wrapper(layer)
+
+
+def apply_compile(policy: nn.Module) -> None:
+    """torch.compile each decoder layer in place (same module objects, same keys)."""
+    for layer in decoder_layers(policy.lm):
+        layer.compile()
+
+
+def apply_fsdp(policy: nn.Module, device: torch.device, dtype: torch.dtype) -> bool:
+    """Shard with FSDP2 over all ranks; returns False (and does nothing) for one CPU process."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    world = dist.get_world_size() if is_distributed() else 1
+    if world == 1 and device.type == "cpu":
+        return False  # FSDP with one rank buys nothing and needs a process group
+    if not is_distributed():
+        # FSDP2 on one GPU without torchrun: a one-process group on a loopback store.
+        dist.init_process_group(
+            "nccl", store=dist.HashStore(), rank=0, world_size=1, device_id=device
+        )
+    mesh = init_device_mesh(device.type, (world,))
+    kwargs: dict = {"mesh": mesh}
+    if dtype == torch.bfloat16:
+        kwargs["mp_policy"] = MixedPrecisionPolicy(
+            param_dtype=torch.bfloat16, reduce_dtype=torch.float32
+        )
+    layers = decoder_layers(policy.lm)
+    for i, layer in enumerate(layers):
+        # The last block's params are needed again at once by the backward: keep them.
+        fully_shard(layer, reshard_after_forward=i < len(layers) - 1, **kwargs)
+    fully_shard(policy, **kwargs)
+    return True
+
+
+def gather_full_state_dict(policy: nn.Module) -> dict[str, torch.Tensor]:
+    """The HF model's full state dict on CPU, on rank 0 (other ranks get {})."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    if not is_distributed():
+        return {k: v.detach().cpu().clone() for k, v in policy.lm.state_dict().items()}
+    opts = StateDictOptions(full_state_dict=True, cpu_offload=True)
+    state = get_model_state_dict(policy, options=opts)
+    return {k.removeprefix("lm."): v for k, v in state.items()}
