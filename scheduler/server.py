@@ -31,6 +31,7 @@ import logging
 import os
 import socket
 import time
+from collections import Counter
 from pathlib import Path
 
 from aiohttp import web
@@ -271,6 +272,12 @@ class SchedulerServer:
                 "pool_id": self.pool_id,
                 "scheduler_id": self.identity.node_id,
                 "nodes": self.registry.counts(),
+                "weights_version": self.weights_version,
+                # Healthy nodes per weights version: the orchestrator waits for the pool to
+                # hold a new version before it asks for rollouts of it.
+                "healthy_versions": dict(
+                    Counter(str(n.weights_version) for n in self.registry.healthy())
+                ),
                 "queued": len(self.dispatcher.queue),
                 "open_requests": len(self.dispatcher.jobs),
             }

@@ -65,7 +65,7 @@ def orchestrate(ctx: typer.Context) -> None:
     from trainer.config import OrchestratorConfig
     from trainer.orchestrator import Orchestrator, OrchestratorError
 
-    setup_logging("prime.orchestrator")
+    setup_logging()
     cfg = _config(OrchestratorConfig, ctx.args)
     write_resolved(cfg, Path(cfg.run_dir) / "configs" / "orchestrator.toml")
     try:

@@ -4,7 +4,8 @@
 Per step n it waits until the trainer has written policy n - async_level (and has it
 announced to the pool), samples prompts with a seed derived from (pool, seed, step,
 round), runs the verifiers environment with its client pointed at the scheduler's
-OpenAI-compatible endpoint (`min_version` = n - async_level), joins every turn with its
+OpenAI-compatible endpoint (`min_version`: the newest policy, at least n - async_level,
+which the pool holds before the round starts), joins every turn with its
 verdict from the scheduler's results stream, scores with the environment's rubric, and
 writes `rollouts/step_<n>.pt`.
 
@@ -42,6 +43,7 @@ from trainer.weights import make_transport
 log = logging.getLogger("prime.orchestrator")
 API_KEY_VAR = "PRIME_POOL_API_KEY"  # verifiers wants a key variable; the pool needs none
 VERDICT_TIMEOUT_S = 300.0
+POOL_SYNC_TIMEOUT_S = 60.0
 
 
 class OrchestratorError(RuntimeError):
@@ -105,20 +107,37 @@ class Orchestrator:
                 self.verdict_event.set()
             self.cursor = r.seq
 
-    async def _publish_weights(self, client: SchedulerClient) -> None:
-        while True:
-            latest = self.transport.latest()
-            if latest is not None and latest > self.published:
-                await client.publish_weights(self.transport.update(latest))
-                self.published = latest
-                log.info("announced weights v%d to the pool", latest)
-            await asyncio.sleep(0.1)
+    async def _sync_policy(self, client: SchedulerClient, min_version: int) -> tuple[int, float]:
+        """Announce the newest weights (>= min_version, waiting for the trainer if need be)
+        and wait until the pool's healthy nodes hold them; returns (version, seconds waited).
 
-    async def _wait_policy(self, version: int) -> float:
+        Weights change only between rounds, and a round asks for that version only, so a
+        rollout's verifier always holds the weights that generated it."""
         t0 = time.monotonic()
-        while self.published < version:
+        while (latest := self.transport.latest()) is None or latest < min_version:
             await asyncio.sleep(0.05)
-        return time.monotonic() - t0
+        await self._announce_latest(client)
+        latest = self.published
+        deadline = time.monotonic() + POOL_SYNC_TIMEOUT_S
+        while True:
+            async with client.session.get(f"{client.url}/health") as resp:
+                versions = (await resp.json()).get("healthy_versions", {})
+            holding = sum(c for v, c in versions.items() if int(v) >= latest)
+            if holding and holding == sum(versions.values()):
+                break
+            if time.monotonic() > deadline:
+                log.warning("pool nodes still load weights v%d (%s); going ahead", latest, versions)
+                break
+            await asyncio.sleep(0.1)
+        return latest, time.monotonic() - t0
+
+    async def _announce_latest(self, client: SchedulerClient) -> None:
+        """Tell the pool about the trainer's newest weights (only between rounds)."""
+        latest = self.transport.latest()
+        if latest is not None and latest > self.published:
+            await client.publish_weights(self.transport.update(latest))
+            self.published = latest
+            log.info("announced weights v%d to the pool", latest)
 
     async def _wait_verdicts(self, ids: list[str]) -> None:
         deadline = time.monotonic() + VERDICT_TIMEOUT_S
@@ -159,10 +178,10 @@ class Orchestrator:
         await self._wait_verdicts([t.rollout_id for ep in episodes for t in ep.turns])
         return build_samples(episodes, self.verdicts, min_version)
 
-    async def produce(self, step: int) -> dict[str, float]:
+    async def produce(self, client: SchedulerClient, step: int) -> dict[str, float]:
         cfg = self.cfg
         min_version = max(0, step - cfg.async_level)
-        waited = await self._wait_policy(min_version)
+        waited = 0.0
         t0 = time.monotonic()
         needed = cfg.batch_size // cfg.group_size
         chosen = [g for g in self.buffer if min(s.version for s in g) >= min_version][:needed]
@@ -171,7 +190,9 @@ class Orchestrator:
         counts: dict[str, int] = {}
         rounds = 0
         while len(chosen) < needed and rounds < cfg.max_rounds:
-            groups, filt = await self._round(step, rounds, needed - len(chosen), min_version)
+            version, dt = await self._sync_policy(client, min_version)
+            waited += dt
+            groups, filt = await self._round(step, rounds, needed - len(chosen), version)
             rounds += 1
             rewards += filt.rewards
             for k, v in filt.counts.items():
@@ -189,13 +210,15 @@ class Orchestrator:
             "samples": len(samples),
             "rounds": rounds,
             "wait_policy_s": waited,
-            "generate_s": time.monotonic() - t0,
+            "generate_s": time.monotonic() - t0 - waited,
             "min_version": min_version,
             **{f"dropped_{k}": v for k, v in counts.items()},
         }
         if not samples:
             log.warning("step %d: no group carried a learning signal (%s)", step, counts)
         write_batch(cfg.run_dir, Batch(step, samples, metrics))
+        # Nodes load new weights while the trainer trains: the next round finds them ready.
+        await self._announce_latest(client)
         self.transport.cleanup(keep_from=min_version)
         return metrics
 
@@ -218,15 +241,12 @@ class Orchestrator:
             cfg.run_dir, "orchestrator", cfg.monitor, cfg.max_steps, self.start_step - 1
         )
         async with SchedulerClient(cfg.scheduler, self.identity, self.pool.pool_id) as client:
-            tasks = [
-                asyncio.create_task(self._follow_results(client), name="results"),
-                asyncio.create_task(self._publish_weights(client), name="publish"),
-            ]
+            tasks = [asyncio.create_task(self._follow_results(client), name="results")]
             try:
                 for step in range(self.start_step, cfg.max_steps + 1):
                     if batch_path(cfg.run_dir, step).exists():
                         continue  # written before a restart: same data, keep it
-                    metrics = await self._checked(self.produce(step), tasks)
+                    metrics = await self._checked(self.produce(client, step), tasks)
                     monitor.log(step, metrics)
                     if step % cfg.ckpt.interval == 0 or step == cfg.max_steps:
                         self._checkpoint(step)
