@@ -34,6 +34,7 @@ import time
 from collections import Counter
 from pathlib import Path
 
+import aiohttp
 from aiohttp import web
 from sqlalchemy import select
 
@@ -421,7 +422,36 @@ class SchedulerServer:
         )
         self._set_weights(raw)
         log.info("pool weights are now version %d", self.weights_version)
+        for node in self.registry.healthy():
+            self._tasks.append(asyncio.create_task(self._push_weights(node, raw)))
+        self._tasks = [t for t in self._tasks if not t.done()]
         return web.json_response({"weights_version": self.weights_version})
+
+    async def _push_weights(self, node: NodeRecord, raw: bytes) -> None:
+        """Hand the trainer's signed update to a node now (heartbeats relay it too, later):
+        RL steps are seconds apart, heartbeats may be tens of seconds."""
+        session = self.dispatcher.session
+        assert session is not None
+        try:
+            async with session.post(
+                f"{node.http_url}/v1/weights/update",
+                data=raw,
+                headers={"Content-Type": MSGPACK},
+                timeout=aiohttp.ClientTimeout(total=self.cfg.dispatch.generate_timeout_s),
+            ) as resp:
+                if resp.status != 200:
+                    log.info("%s refused weights push (%d)", node.label, resp.status)
+                    return
+                held = await resp.json()
+        except (aiohttp.ClientError, TimeoutError, ValueError) as exc:
+            log.info(
+                "weights push to %s failed: %s (its heartbeat will relay them)", node.label, exc
+            )
+            return
+        if node.state == "healthy" and int(held["weights_version"]) >= node.weights_version:
+            node.weights_version = int(held["weights_version"])
+            node.weights_hash = str(held["weights_hash"])
+            self.dispatcher.kick()
 
     # -- background --------------------------------------------------------------------
     async def _monitor(self) -> None:
