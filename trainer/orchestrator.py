@@ -233,6 +233,14 @@ class Orchestrator:
         tmp = path.with_suffix(".tmp")
         tmp.write_text(json.dumps(state))
         os.replace(tmp, path)
+        older = sorted(
+            (Path(self.cfg.run_dir) / "checkpoints").glob("step_*/orchestrator.json"),
+            key=lambda p: int(p.parent.name.removeprefix("step_")),
+        )[: -self.cfg.ckpt.keep_last]
+        for old in older:
+            old.unlink()
+            with contextlib.suppress(OSError):  # the trainer's part may still be there
+                old.parent.rmdir()
 
     async def run(self) -> None:
         cfg = self.cfg
