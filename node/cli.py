@@ -10,7 +10,7 @@ from __future__ import annotations
 import typer
 from rich.console import Console
 
-from protocol.config import ConfigError, load_config, write_resolved
+from protocol.config import load_config_or_exit, write_resolved
 from protocol.logs import setup_logging
 
 app = typer.Typer(help="prime-swarm worker node.", no_args_is_help=True, add_completion=False)
@@ -32,11 +32,7 @@ def _expand_aliases(args: list[str]) -> list[str]:
 
 
 def _config(cls, args: list[str]):
-    try:
-        return load_config(cls, _expand_aliases(args))
-    except ConfigError as exc:
-        console.print(f"[red]config error:[/red] {exc}")
-        raise typer.Exit(2) from exc
+    return load_config_or_exit(cls, _expand_aliases(args))
 
 
 @app.command(context_settings=EXTRA)

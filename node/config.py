@@ -14,21 +14,10 @@ from pydantic import Field, field_validator, model_validator
 from protocol.config import PrimeSettings, Section
 from protocol.identity import IdentityError, public_key_from_node_id
 from protocol.messages import VerificationPolicy
+from verifier.models import check_model_name
 
-BUNDLED_MODELS = ("tiny", "smollm2")
 # Hosts a node listens on that no scheduler can reach it by.
 WILDCARD_HOSTS = ("0.0.0.0", "::", "")
-
-
-def _model_exists(v: str) -> str:
-    if v in BUNDLED_MODELS:
-        return v
-    p = Path(v).expanduser()
-    if not (p / "config.json").is_file():
-        raise ValueError(
-            f"model {v!r} is neither a bundled model {BUNDLED_MODELS} nor a folder with a config.json"
-        )
-    return str(p)
 
 
 def _require_vllm(kind: str) -> None:
@@ -73,7 +62,7 @@ class EngineConfig(Section):
     @field_validator("model")
     @classmethod
     def check_model_exists(cls, v: str) -> str:
-        return _model_exists(v)
+        return check_model_name(v)
 
 
 class ServerConfig(Section):
@@ -132,7 +121,7 @@ class JoinEngineConfig(EngineConfig):
     @field_validator("model")
     @classmethod
     def check_model_exists(cls, v: str | None) -> str | None:
-        return None if v is None else _model_exists(v)
+        return None if v is None else check_model_name(v)
 
     def resolve(self, pool_model: str) -> EngineConfig:
         """The engine config to build, with the pool's model unless one was given here."""

@@ -128,6 +128,17 @@ def load_config(model: type[S], argv: list[str] | None = None, **overrides: Any)
         raise ConfigError(f"invalid {model.__name__}:\n" + "\n".join(lines)) from exc
 
 
+def load_config_or_exit(model: type[S], argv: list[str]) -> S:
+    """`load_config` for command lines: a bad config prints what to fix and exits 2."""
+    try:
+        return load_config(model, argv)
+    except ConfigError as exc:
+        from rich.console import Console
+
+        Console(stderr=True).print(f"[red]config error:[/red] {exc}")
+        raise SystemExit(2) from exc
+
+
 def _drop_none(obj: Any) -> Any:
     if isinstance(obj, dict):
         return {k: _drop_none(v) for k, v in obj.items() if v is not None}

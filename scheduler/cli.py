@@ -12,7 +12,7 @@ from typing import Annotated
 import typer
 from rich.console import Console
 
-from protocol.config import ConfigError, load_config, write_resolved
+from protocol.config import load_config_or_exit, write_resolved
 from protocol.logs import setup_logging
 
 app = typer.Typer(help="prime-swarm scheduler daemon.", no_args_is_help=True, add_completion=False)
@@ -25,14 +25,6 @@ EXTRA = {"allow_extra_args": True, "ignore_unknown_options": True}
 DEFAULT_OWNER_KEY = Path("~/.prime-swarm/owner.key")
 
 
-def _config(cls, args: list[str]):
-    try:
-        return load_config(cls, args)
-    except ConfigError as exc:
-        console.print(f"[red]config error:[/red] {exc}")
-        raise typer.Exit(2) from exc
-
-
 @app.command(context_settings=EXTRA)
 def serve(ctx: typer.Context) -> None:
     """Run the scheduler of one pool.
@@ -43,7 +35,7 @@ def serve(ctx: typer.Context) -> None:
     from scheduler.pool import PoolError
     from scheduler.server import run
 
-    cfg = _config(SchedulerConfig, ctx.args)
+    cfg = load_config_or_exit(SchedulerConfig, ctx.args)
     setup_logging()
     write_resolved(cfg, cfg.log_dir / "scheduler.toml")
     try:
@@ -67,7 +59,7 @@ def pool_create(ctx: typer.Context) -> None:
     from scheduler.config import PoolCreateConfig
     from scheduler.pool import write_pool
 
-    cfg = _config(PoolCreateConfig, ctx.args)
+    cfg = load_config_or_exit(PoolCreateConfig, ctx.args)
     owner = Identity.load_or_create(cfg.owner_key.expanduser())
     pool = PoolConfig(
         pool_id=cfg.pool_id,

@@ -19,7 +19,7 @@ from pathlib import Path
 import typer
 from rich.console import Console
 
-from protocol.config import ConfigError, load_config, write_resolved
+from protocol.config import load_config_or_exit, write_resolved
 from protocol.logs import setup_logging
 
 app = typer.Typer(
@@ -29,21 +29,13 @@ console = Console(stderr=True)
 EXTRA = {"allow_extra_args": True, "ignore_unknown_options": True}
 
 
-def _config(cls, args: list[str]):
-    try:
-        return load_config(cls, args)
-    except ConfigError as exc:
-        console.print(f"[red]config error:[/red] {exc}")
-        raise typer.Exit(2) from exc
-
-
 @app.command(context_settings=EXTRA)
 def rl(ctx: typer.Context) -> None:
     """Run RL: trainer + orchestrator on one pool (`@ configs/rl/reverse-text.toml`)."""
     from trainer.config import RLConfig
     from trainer.launcher import run_rl
 
-    cfg = _config(RLConfig, ctx.args)
+    cfg = load_config_or_exit(RLConfig, ctx.args)
     raise typer.Exit(run_rl(cfg, console))
 
 
@@ -53,7 +45,9 @@ def train(ctx: typer.Context) -> None:
     from trainer.config import TrainerConfig
     from trainer.train import main
 
-    _config(TrainerConfig, ctx.args)  # fail fast with a clear message before torch starts
+    load_config_or_exit(
+        TrainerConfig, ctx.args
+    )  # fail fast with a clear message before torch starts
     main(ctx.args)
 
 
@@ -66,7 +60,7 @@ def orchestrate(ctx: typer.Context) -> None:
     from trainer.orchestrator import Orchestrator, OrchestratorError
 
     setup_logging()
-    cfg = _config(OrchestratorConfig, ctx.args)
+    cfg = load_config_or_exit(OrchestratorConfig, ctx.args)
     write_resolved(cfg, Path(cfg.run_dir) / "configs" / "orchestrator.toml")
     try:
         asyncio.run(Orchestrator(cfg).run())
@@ -84,7 +78,7 @@ def sft(ctx: typer.Context) -> None:
     from trainer.train import train_sft
     from verifier.models import load_tokenizer, resolve_model
 
-    cfg = _config(SFTConfig, ctx.args)
+    cfg = load_config_or_exit(SFTConfig, ctx.args)
     write_resolved(cfg, Path(cfg.run_dir) / "configs" / "sft.toml")
     tokenizer = load_tokenizer(resolve_model(cfg.model.name))
     samples = tokenize_examples(tokenizer, sft_examples(cfg.env, cfg.num_examples, cfg.seed))
@@ -103,7 +97,7 @@ def evaluate(ctx: typer.Context) -> None:
     from trainer.config import EvalConfig
     from trainer.envs import load_environment
 
-    cfg = _config(EvalConfig, ctx.args)
+    cfg = load_config_or_exit(EvalConfig, ctx.args)
     write_resolved(cfg, Path(cfg.run_dir) / "configs" / "eval.toml")
     os.environ.setdefault("PRIME_POOL_API_KEY", "unused")
     env = load_environment(cfg.env)

@@ -18,20 +18,15 @@ from typing import Any, Literal
 from pydantic import Field, field_validator, model_validator
 
 from protocol.config import PrimeSettings, Section
+from verifier.models import check_model_name
 
-BUNDLED_MODELS = ("tiny", "smollm2")
 
-
-def check_model_name(v: str) -> str:
-    if v in BUNDLED_MODELS:
-        return v
-    p = Path(v).expanduser()
-    if not (p / "config.json").is_file():
+def _check_whole_groups(batch_size: int, group_size: int) -> None:
+    if batch_size % group_size:
         raise ValueError(
-            f"model {v!r} is neither a bundled model {BUNDLED_MODELS} nor a folder with a "
-            "config.json (a Hugging Face causal LM saved with save_pretrained)"
+            f"batch_size ({batch_size}) must be a multiple of group_size "
+            f"({group_size}): each prompt contributes one whole group"
         )
-    return str(p.resolve())
 
 
 class ModelConfig(Section):
@@ -90,9 +85,11 @@ class LossConfig(Section):
     """Weight of a k3 KL penalty between the policy and the workers' logprobs (0: off)."""
     entropy_coef: float = Field(0.0, ge=0)
     """Weight of an entropy bonus (0: off)."""
-    logprob_chunk: int = Field(1024, ge=1)
+    logprob_chunk: int = Field(4096, ge=1)
     """Tokens per chunk when turning hidden states into logprobs over the vocabulary: the
-    full [tokens, vocab] logits tensor is never held at once."""
+    full [tokens, vocab] logits tensor is never held at once, only [chunk, vocab] (4096 x
+    a 152k vocabulary: 1.2 GB of bf16 logits plus float32 work; larger chunks run faster
+    on a GPU, smaller ones hold less)."""
     temperature: float = Field(1.0, gt=0)
     """The trainer's logprobs are those of softmax(logits / temperature): set it to the
     temperature under which the workers' logprobs mu were computed."""
@@ -161,6 +158,9 @@ class TrainerConfig(RunSettings):
     micro_batch_tokens: int = Field(4096, ge=16)
     """Tokens per packed micro-batch (several samples share one row; attention never
     crosses a sample boundary)."""
+    micro_batch_rows: int = Field(1, ge=1)
+    """Rows of micro_batch_tokens each processed in one forward ([rows, width], shorter rows
+    padded at the end with tokens that carry no loss): >1 trades memory for GPU efficiency."""
     device: Literal["auto", "cpu", "cuda"] = "auto"
     """Where to train: 'auto' picks CUDA when present."""
     batch_timeout_s: float = Field(3600.0, gt=0)
@@ -234,11 +234,7 @@ class OrchestratorConfig(RunSettings):
 
     @model_validator(mode="after")
     def check_batch_divisible_by_group(self) -> OrchestratorConfig:
-        if self.batch_size % self.group_size:
-            raise ValueError(
-                f"batch_size ({self.batch_size}) must be a multiple of group_size "
-                f"({self.group_size}): each prompt contributes one whole group"
-            )
+        _check_whole_groups(self.batch_size, self.group_size)
         return self
 
 
@@ -251,6 +247,9 @@ class RLTrainerSection(Section):
     """RL objective."""
     micro_batch_tokens: int = Field(4096, ge=16)
     """Tokens per packed micro-batch."""
+    micro_batch_rows: int = Field(1, ge=1)
+    """Rows of micro_batch_tokens each processed in one forward: >1 trades memory for GPU
+    efficiency."""
     device: Literal["auto", "cpu", "cuda"] = "auto"
     """Where to train."""
     nproc: int = Field(1, ge=1)
@@ -300,11 +299,7 @@ class RLConfig(RunSettings):
 
     @model_validator(mode="after")
     def check_batch_divisible_by_group(self) -> RLConfig:
-        if self.batch_size % self.group_size:
-            raise ValueError(
-                f"batch_size ({self.batch_size}) must be a multiple of group_size "
-                f"({self.group_size}): each prompt contributes one whole group"
-            )
+        _check_whole_groups(self.batch_size, self.group_size)
         return self
 
     def trainer_config(self) -> TrainerConfig:
@@ -321,6 +316,7 @@ class RLConfig(RunSettings):
             max_steps=self.max_steps,
             async_level=self.async_level,
             micro_batch_tokens=t.micro_batch_tokens,
+            micro_batch_rows=t.micro_batch_rows,
             device=t.device,
         )
 
@@ -357,6 +353,9 @@ class SFTConfig(RunSettings):
     """Optimizer steps."""
     micro_batch_tokens: int = Field(4096, ge=16)
     """Tokens per packed micro-batch."""
+    micro_batch_rows: int = Field(1, ge=1)
+    """Rows of micro_batch_tokens each processed in one forward: >1 trades memory for GPU
+    efficiency."""
     device: Literal["auto", "cpu", "cuda"] = "auto"
     """Where to train."""
     output: Path | None = None

@@ -58,7 +58,7 @@ def decoder_layers(hf_model: nn.Module) -> nn.ModuleList:
 
 
 class PolicyModel(nn.Module):
-    """HF causal LM -> (logprob of each next token, entropy) on a packed row."""
+    """HF causal LM -> (logprob of each next token, entropy) on packed rows [B, L], flat."""
 
     def __init__(self, hf_model: nn.Module, temperature: float = 1.0, chunk: int = 1024):
         super().__init__()

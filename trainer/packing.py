@@ -1,16 +1,21 @@
 """Packing a step's samples into micro-batches, and sharing them out over ranks.
 
-A micro-batch is one row [1, L], L <= micro_batch_tokens, holding whole samples back to
-back. Position ids restart at 0 at each sample start; transformers (sdpa, eager, flash)
-turns that into a block-diagonal causal mask, so attention never crosses a sample
-boundary (tests/unit/test_packing.py checks the logprobs against unpacked runs).
+A packed row holds whole samples back to back, at most micro_batch_tokens of them.
+Position ids restart at 0 at each sample start; transformers (sdpa, eager, flash) turns
+that into a block-diagonal causal mask, so attention never crosses a sample boundary
+(tests/unit/test_packing.py checks the logprobs against unpacked runs). A micro-batch is
+[B, W]: B <= micro_batch_rows rows of similar width run in one forward, each padded at
+its end to the widest, W; padding tokens come after every sample of their row (causal
+attention: no real token sees them), continue the last sample's position ids (a row of
+one sample stays a plain causal row) and carry no loss.
 
 Invariants: targets are shifted inside each sample: position i carries token i+1 of the
 same sample, with that token's loss mask, mu and the sample's advantage; the last
 position of each sample has no target (mask False), so nothing predicts across a
-boundary; a sample longer than the cap is an error, never truncated; every rank gets the
-same number of micro-batches (padded with zero-weight ones), since FSDP collectives must
-line up.
+boundary; padding has mask False, advantage 0 and is not counted in `num_tokens`; a
+sample longer than the cap is an error, never truncated; every rank gets the same
+number of micro-batches (padded with zero-weight ones), since FSDP collectives must line
+up.
 """
 
 from __future__ import annotations
@@ -25,7 +30,7 @@ from trainer.batch import TrainingSample
 
 @dataclass
 class MicroBatch:
-    """One packed row; all tensors [1, L] (input ids, positions) or [L] (per-target)."""
+    """One forward's rows: [B, W] (input ids, positions) or [B * W] (per-target), flat."""
 
     input_ids: Tensor
     position_ids: Tensor
@@ -34,10 +39,12 @@ class MicroBatch:
     mu: Tensor
     advantages: Tensor
     num_samples: int
+    num_pad: int = 0  # padding positions at row ends (not tokens of any sample)
 
     @property
     def num_tokens(self) -> int:
-        return self.input_ids.shape[1]
+        """Tokens of the samples (padding excluded)."""
+        return self.input_ids.numel() - self.num_pad
 
     @property
     def num_loss_tokens(self) -> int:
@@ -77,6 +84,35 @@ def empty_micro_batch(pad_id: int = 0) -> MicroBatch:
     return pack_row([TrainingSample([pad_id], [False], [0.0], 0.0)])
 
 
+def pack_rows(rows: list[list[TrainingSample]], pad_id: int = 0) -> MicroBatch:
+    """Several packed rows as one [B, W] micro-batch, each padded at its end to W."""
+    packed = [pack_row(r) for r in rows]
+    if len(packed) == 1:
+        return packed[0]
+    width = max(mb.input_ids.shape[1] for mb in packed)
+    ids, pos, tgt, mask, mu, adv = [], [], [], [], [], []
+    for mb in packed:
+        pad = width - mb.input_ids.shape[1]
+        last = int(mb.position_ids[0, -1])
+        ids.append(torch.cat([mb.input_ids[0], torch.full((pad,), pad_id, dtype=torch.long)]))
+        # positions go on from the last sample's: no restart, so no extra mask block
+        pos.append(torch.cat([mb.position_ids[0], torch.arange(last + 1, last + 1 + pad)]))
+        tgt.append(torch.cat([mb.targets, torch.zeros(pad, dtype=torch.long)]))
+        mask.append(torch.cat([mb.loss_mask, torch.zeros(pad, dtype=torch.bool)]))
+        mu.append(torch.cat([mb.mu, torch.zeros(pad)]))
+        adv.append(torch.cat([mb.advantages, torch.zeros(pad)]))
+    return MicroBatch(
+        input_ids=torch.stack(ids),
+        position_ids=torch.stack(pos),
+        targets=torch.cat(tgt),
+        loss_mask=torch.cat(mask),
+        mu=torch.cat(mu),
+        advantages=torch.cat(adv),
+        num_samples=sum(mb.num_samples for mb in packed),
+        num_pad=width * len(packed) - sum(mb.num_tokens for mb in packed),
+    )
+
+
 def pack_samples(samples: list[TrainingSample], max_tokens: int) -> list[list[TrainingSample]]:
     """First-fit decreasing bins of whole samples, each bin at most `max_tokens` tokens."""
     too_long = [len(s.input_ids) for s in samples if len(s.input_ids) > max_tokens]
@@ -102,13 +138,21 @@ def pack_samples(samples: list[TrainingSample], max_tokens: int) -> list[list[Tr
 
 
 def split_for_rank(
-    bins: list[list[TrainingSample]], rank: int, world_size: int, pad_id: int = 0
+    bins: list[list[TrainingSample]],
+    rank: int,
+    world_size: int,
+    pad_id: int = 0,
+    rows: int = 1,
 ) -> list[MicroBatch]:
-    """This rank's micro-batches: bins dealt round-robin, all ranks the same count."""
+    """This rank's micro-batches: bins dealt round-robin, then (rows > 1) grouped widest
+    first, `rows` bins per [rows, W] micro-batch; all ranks get the same count."""
     per_rank = -(-len(bins) // world_size) if bins else 1
-    mine = [pack_row(b) for b in bins[rank::world_size]]
-    mine += [empty_micro_batch(pad_id) for _ in range(per_rank - len(mine))]
-    return mine
+    mine = bins[rank::world_size]
+    if rows > 1:  # similar widths together: less padding (stable: reproducible groups)
+        mine = sorted(mine, key=lambda b: -sum(len(s.input_ids) for s in b))
+    out = [pack_rows(mine[i : i + rows], pad_id) for i in range(0, len(mine), rows)]
+    out += [empty_micro_batch(pad_id) for _ in range(-(-per_rank // rows) - len(out))]
+    return out
 
 
 def count_loss_tokens(samples: list[TrainingSample]) -> int:

@@ -142,6 +142,22 @@ def smollm2_path() -> Path:
     return _publish(build, target)
 
 
+BUNDLED_MODELS = ("tiny", "smollm2")
+
+
+def check_model_name(v: str) -> str:
+    """A config's model setting: a bundled model's name or a folder with a config.json
+    (raises ValueError with a message a user can act on)."""
+    if v in BUNDLED_MODELS:
+        return v
+    p = Path(v).expanduser()
+    if not (p / "config.json").is_file():
+        raise ValueError(
+            f"model {v!r} is neither a bundled model {BUNDLED_MODELS} nor a folder with a config.json"
+        )
+    return str(p)
+
+
 def load_tokenizer(path: str | Path):
     """The tokenizer of a model folder (a `PreTrainedTokenizerFast`).
 
