@@ -12,30 +12,24 @@ and saved to a temporary folder that `ModelConfig.name` points at: no hub downlo
 Each step trains on `--samples` sequences of `--seq` tokens (default 4 x 4096, bf16).
 
 Variants (all in one process, one after the other; warm-up steps excluded, then
-`--steps` steps each timed between two `torch.cuda.synchronize()`; the median counts):
+`--steps` steps each timed between two `torch.cuda.synchronize()`; the median counts).
+Every trainer variant runs the trainer core as it is, through `TrainerConfig` only (no
+run-time patches): one process trains unsharded (no FSDP) under bf16 autocast on fp32
+master weights, TF32 on, `chunked_logprobs` in bf16 with fused elementwise work.
 
 - `hf_baseline`: plain Hugging Face, the reference: `model(input_ids).logits` ->
   cross-entropy, fp32 master weights under bf16 autocast, sdpa, fused AdamW, clipping,
-  no compile, one 4096-token sequence per micro-batch.
-- `trainer_default`: `Trainer` as its defaults build it on one GPU (FSDP2 over a
-  one-process group with bf16 params / fp32 reduce, eager, no activation checkpointing,
-  logprob chunk 1024).
-- then one setting changed at a time: TF32 matmuls (`allow_tf32`), `model.compile`
-  (torch.compile per decoder layer), FSDP2 off (one GPU: plain module under bf16
-  autocast; the benchmark swaps `apply_fsdp` for a no-op), FSDP2 without resharding, the
-  logprob implementation and chunk size, activation checkpointing, sdpa preferring cuDNN,
-  16384-token packed micro-batches (4 samples per row: transformers then builds a
-  block-diagonal mask and sdpa loses its causal kernel), and `*_batched`: the 4 samples
-  as ONE [4, 4096] micro-batch (the benchmark wraps `split_for_rank` to stack equal-width
-  rows; `PolicyModel` already flattens [B, L]).
-- `*proto*` and `best*`: the Trainer with `trainer.model.chunked_logprobs` swapped for
-  `proto_chunked_logprobs` below, a bench-local prototype of the change proposed for
-  trainer/loss.py: matmuls in the compute dtype in the backward too (the core backward
-  runs outside autocast, so with fp32 master weights its three [T, H] x [H, V] products
-  are fp32), the weight gradient from bf16 products (not an fp32 matmul), the
-  softmax/logsumexp/entropy and gradient elementwise work fused by torch.compile, and the
-  logsumexp saved from the forward (like the core code, it skips the entropy backward when
-  the loss does not use the entropy: `set_materialize_grads(False)`). `best` = compile + FSDP2 off + TF32 + prototype.
+  no compile, one 4096-token sequence per micro-batch; `hf_baseline_batched`: the 4
+  samples as one [4, 4096] batch.
+- `trainer_default`: `Trainer` as its defaults build it on one GPU (eager, no activation
+  checkpointing, logprob chunk 4096, micro_batch_rows 1: one [1, 4096] micro-batch per
+  sample).
+- `trainer_compile` (+ `model.compile`: torch.compile per decoder layer),
+  `trainer_rows4` (eager, `micro_batch_rows=4`: the 4 samples as ONE [4, 4096]
+  micro-batch), `trainer_tuned` (compile + `micro_batch_rows=4`, chunk 4096), and
+  variations of it: activation checkpointing, chunk 1024, sdpa preferring cuDNN, and 4
+  samples packed per 16384-token row (transformers then builds a block-diagonal mask and
+  sdpa loses its causal kernel).
 
 `--profile NAMES` runs one more step of those variants under torch.profiler and keeps GPU
 kernel time by kind, the top kernels and the top CPU ops (not counted in the timings).
@@ -43,9 +37,9 @@ Every row also keeps the loss and gradient norm of its first step: all variants 
 from the same weights and batch, so these must agree (the HF rows use plain CE).
 
 Besides the steps, `logprob_micro` times `chunked_logprobs` alone (forward + backward
-on one 4096-token micro-batch) for the core code and the prototype, with the weight in
-bf16 (as under FSDP2) or fp32 under autocast (FSDP off), TF32 off/on, next to the floor
-of its three unavoidable [T, H] x [H, V] matmuls.
+on one 4096-token micro-batch), with the weight in bf16 (as under FSDP2) or fp32 under
+autocast (one process), chunk 1024 and 4096, next to the floor of its three unavoidable
+[T, H] x [H, V] matmuls.
 
 MFU (the issue's formula): (6 x N + 12 x layers x hidden x seq_len) x tokens / step time /
 989e12, seq_len being each sample's length (4096). N = parameters that take part in a
@@ -67,7 +61,8 @@ Outputs: a rich table, <out>.json and <out>.png (default stem
 tests/bench/results/trainer_h200 on CUDA, tests/bench/results/trainer_cpu otherwise).
 
     python tests/bench/bench_trainer.py                      # one H200: every variant
-    python tests/bench/bench_trainer.py --variants hf_baseline,best_batched --profile best
+    python tests/bench/bench_trainer.py --no-micro --time-budget-s 300 --variants ...
+    python tests/bench/bench_trainer.py --variants hf_baseline,trainer_tuned --profile trainer_tuned
     .venv/bin/python tests/bench/bench_trainer.py --tiny --out /tmp/trainer_tiny
 """
 
@@ -88,7 +83,7 @@ import sys
 import tempfile
 import time
 import traceback
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -141,218 +136,36 @@ class Variant:
     name: str
     desc: str
     kind: str = "trainer"  # "trainer": Trainer.step; "hf": plain HF logits + CE
-    fsdp: bool = True
     compile: bool = False
     ac: bool = False
-    chunk: int = 1024
-    packed_samples: int = 1  # samples per packed micro-batch (micro_batch_tokens = n x seq)
-    tf32: bool = False
-    logprob: str = "core"  # "core": trainer/loss.py; "proto": proto_chunked_logprobs
+    chunk: int = 4096  # LossConfig.logprob_chunk
+    packed_samples: int = 1  # samples per packed row (micro_batch_tokens = n x seq)
     attn: str = "default"  # "default": sdpa's own choice; "cudnn": cuDNN attention first
-    reshard: bool = True  # FSDP2 reshard_after_forward as trainer/parallel.py sets it
-    rows: int = 1  # rows stacked into one [rows, L] micro-batch (trainer: split_for_rank patched)
+    rows: int = 1  # rows per micro-batch (trainer: micro_batch_rows; HF: batch size)
 
 
-# The best configuration found (compile, FSDP2 off on one GPU, TF32, proposed logprobs).
-BEST = dict(compile=True, fsdp=False, tf32=True, logprob="proto")
+TUNED = dict(compile=True, rows=4)
 
 VARIANTS: list[Variant] = [
     Variant("hf_baseline", "plain HF: logits -> CE, fp32 master + bf16 autocast, eager", "hf"),
-    Variant("trainer_default", "Trainer defaults: FSDP2 (1 GPU), eager, no AC, chunk 1024"),
-    Variant("tf32", "default + TF32 matmuls", tf32=True),
-    Variant("compile", "+ compile per layer (TF32 on)", compile=True, tf32=True),
-    Variant(
-        "compile_proto",
-        "compile + proposed loss.py logprobs (FSDP2)",
-        compile=True,
-        tf32=True,
-        logprob="proto",
-    ),
-    Variant(
-        "compile_proto_noreshard",
-        "compile, proposed logprobs, FSDP2 never reshards",
-        compile=True,
-        tf32=True,
-        logprob="proto",
-        reshard=False,
-    ),
-    Variant(
-        "compile_nofsdp",
-        "compile, FSDP2 off (bf16 autocast), core logprobs",
-        compile=True,
-        fsdp=False,
-        tf32=True,
-    ),
-    Variant(
-        "compile_nofsdp_notf32",
-        "compile, FSDP2 off, core logprobs, TF32 off",
-        compile=True,
-        fsdp=False,
-    ),
-    Variant(
-        "compile_nofsdp_chunk4096",
-        "compile, FSDP2 off, core logprobs, chunk 4096",
-        compile=True,
-        fsdp=False,
-        tf32=True,
-        chunk=4096,
-    ),
-    Variant("best", "compile, FSDP2 off, TF32, proposed logprobs (chunk 1024)", **BEST),
-    Variant("best_chunk2048", "best, logprob chunk 2048", **BEST, chunk=2048),
-    Variant("best_chunk4096", "best, logprob chunk 4096", **BEST, chunk=4096),
-    Variant("best_chunk512", "best, logprob chunk 512", **BEST, chunk=512),
-    Variant("best_ac", "best + activation checkpointing", **BEST, ac=True),
-    Variant("best_cudnn_attn", "best, sdpa prefers cuDNN attention", **BEST, attn="cudnn"),
-    Variant(
-        "best_packed16k", "best, 4 samples packed per 16384-token row", **BEST, packed_samples=4
-    ),
-    Variant(
-        "eager_nofsdp_proto", "best without compile (eager)", fsdp=False, tf32=True, logprob="proto"
-    ),
     Variant("hf_baseline_batched", "plain HF, the 4 samples as one [4, 4096] batch", "hf", rows=4),
-    Variant("best_batched", "best, the 4 samples as one [4, 4096] micro-batch", **BEST, rows=4),
+    Variant("trainer_default", "Trainer defaults: 1 GPU, no FSDP, eager, chunk 4096, rows 1"),
+    Variant("trainer_compile", "defaults + compile per layer", compile=True),
+    Variant("trainer_rows4", "defaults + micro_batch_rows=4 (one [4, 4096] forward)", rows=4),
+    Variant("trainer_tuned", "compile, micro_batch_rows=4, chunk 4096", **TUNED),
+    Variant("trainer_tuned_ac", "trainer_tuned + activation checkpointing", **TUNED, ac=True),
+    Variant("trainer_tuned_chunk1024", "trainer_tuned, logprob chunk 1024", **TUNED, chunk=1024),
+    Variant("trainer_tuned_cudnn_attn", "trainer_tuned, sdpa prefers cuDNN", **TUNED, attn="cudnn"),
     Variant(
-        "best_batched_chunk4096",
-        "best, one [4, 4096] micro-batch, chunk 4096",
-        **BEST,
-        rows=4,
-        chunk=4096,
+        "trainer_packed16k",
+        "compile, 4 samples packed per 16384-token row (block-diagonal mask)",
+        compile=True,
+        packed_samples=4,
     ),
 ]
 
 
-# --- Proposed chunked logprobs (bench-local prototype of a trainer/loss.py change) -------
-def _lp_fwd_math(z: torch.Tensor, y: torch.Tensor, temp: float):
-    zf = z.float() / temp
-    lse = torch.logsumexp(zf, dim=-1)
-    logp = zf.gather(-1, y[:, None]).squeeze(-1) - lse
-    p = torch.exp(zf - lse[:, None])
-    ent = lse - (p * zf).sum(-1)
-    return logp, ent, lse
-
-
-def _lp_bwd_math(z, y, lse, g_logp, temp: float, out_dtype: torch.dtype):
-    zf = z.float() / temp
-    p = torch.exp(zf - lse[:, None])
-    g = g_logp[:, None].float()
-    onehot = torch.arange(z.shape[-1], device=z.device)[None, :] == y[:, None]
-    g_z = torch.where(onehot, g, 0.0) - g * p
-    return (g_z / temp).to(out_dtype)
-
-
-def _lp_bwd_math_ent(z, y, lse, g_logp, g_ent, temp: float, out_dtype: torch.dtype):
-    zf = z.float() / temp
-    logp_all = zf - lse[:, None]
-    p = torch.exp(logp_all)
-    g = g_logp[:, None].float()
-    ent = -(p * logp_all).sum(-1, keepdim=True)
-    onehot = torch.arange(z.shape[-1], device=z.device)[None, :] == y[:, None]
-    g_z = torch.where(onehot, g, 0.0) - g * p - g_ent[:, None].float() * p * (logp_all + ent)
-    return (g_z / temp).to(out_dtype)
-
-
-_COMPILED: dict[str, Callable] = {}
-
-
-def _math(name: str, fn: Callable, device: torch.device) -> Callable:
-    """The fused (torch.compile) version of `fn` on CUDA, plain `fn` elsewhere."""
-    if device.type != "cuda":
-        return fn
-    if name not in _COMPILED:
-        _COMPILED[name] = torch.compile(fn, dynamic=False)
-    return _COMPILED[name]
-
-
-_MM_OUT_DTYPE: list[bool] = []
-
-
-def _mm_f32(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """a @ b with bf16 inputs and an fp32 result (cuBLAS accumulates in fp32 either way)."""
-    if a.dtype == torch.float32:
-        return a @ b
-    if a.is_cuda and _MM_OUT_DTYPE != [False]:
-        try:
-            out = torch.mm(a, b, out_dtype=torch.float32)
-            _MM_OUT_DTYPE[:] = [True]
-            return out
-        except (TypeError, RuntimeError):
-            _MM_OUT_DTYPE[:] = [False]
-    return (a @ b).float()
-
-
-class _ProtoChunkedLogprobs(torch.autograd.Function):
-    """Same results as trainer.loss._ChunkedLogprobs; see the module docstring for what differs."""
-
-    @staticmethod
-    def forward(ctx, hidden, weight, targets, temperature: float, chunk: int):
-        ctx.set_materialize_grads(False)
-        dev = hidden.device.type
-        cd = torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else weight.dtype
-        w = weight.to(cd)
-        fwd = _math("fwd", _lp_fwd_math, hidden.device)
-        n = hidden.shape[0]
-        logp = hidden.new_empty(n, dtype=torch.float32)
-        ent, lse = torch.empty_like(logp), torch.empty_like(logp)
-        for s in range(0, n, chunk):
-            z = hidden[s : s + chunk].to(cd) @ w.t()
-            with torch.autocast(dev, enabled=False):
-                logp[s : s + chunk], ent[s : s + chunk], lse[s : s + chunk] = fwd(
-                    z, targets[s : s + chunk], temperature
-                )
-        ctx.save_for_backward(hidden, weight, targets, lse)
-        ctx.temperature, ctx.chunk, ctx.cd = temperature, chunk, cd
-        return logp, ent
-
-    @staticmethod
-    def backward(ctx, g_logp, g_ent):
-        hidden, weight, targets, lse = ctx.saved_tensors
-        temp, chunk, cd = ctx.temperature, ctx.chunk, ctx.cd
-        if g_logp is None and g_ent is None:
-            return None, None, None, None, None
-        if g_logp is None:
-            g_logp = torch.zeros_like(lse)
-        w = weight.to(cd)
-        need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
-        g_hidden = torch.empty_like(hidden) if need_h else None
-        g_weight = torch.zeros_like(weight, dtype=torch.float32) if need_w else None
-        if g_ent is None:
-            bwd = _math("bwd", _lp_bwd_math, hidden.device)
-        else:
-            bwd = _math("bwd_ent", _lp_bwd_math_ent, hidden.device)
-        for s in range(0, hidden.shape[0], chunk):
-            h = hidden[s : s + chunk].to(cd)
-            z = h @ w.t()
-            args = (z, targets[s : s + chunk], lse[s : s + chunk], g_logp[s : s + chunk])
-            if g_ent is not None:
-                args += (g_ent[s : s + chunk],)
-            g_logits = bwd(*args, temp, cd)
-            if g_hidden is not None:
-                g_hidden[s : s + chunk] = g_logits @ w
-            if g_weight is not None:
-                g_weight += _mm_f32(g_logits.t(), h)
-        if g_weight is not None:
-            g_weight = g_weight.to(weight.dtype)
-        return g_hidden, g_weight, None, None, None
-
-
-def proto_chunked_logprobs(hidden, weight, targets, temperature: float = 1.0, chunk: int = 1024):
-    """Drop-in for trainer.loss.chunked_logprobs (the proposed implementation)."""
-    if hidden.dim() != 2 or targets.shape != hidden.shape[:1]:
-        raise ValueError(f"expected hidden [T, H] and targets [T], got {hidden.shape}")
-    return _ProtoChunkedLogprobs.apply(hidden, weight, targets, float(temperature), int(chunk))
-
-
 # --- Helpers ---------------------------------------------------------------------------
-@contextlib.contextmanager
-def patched(obj: Any, name: str, value: Any) -> Iterator[None]:
-    old = getattr(obj, name)
-    setattr(obj, name, value)
-    try:
-        yield
-    finally:
-        setattr(obj, name, old)
-
-
 def attn_backend(kind: str, device: torch.device) -> contextlib.AbstractContextManager:
     """sdpa backend preference for a whole variant ('cudnn': cuDNN first, then flash)."""
     if kind == "default" or device.type != "cuda":
@@ -383,6 +196,8 @@ def cleanup(device: torch.device) -> None:
         torch.cuda.synchronize(device)
         torch.cuda.empty_cache()
     torch._dynamo.reset()
+    from trainer.loss import _COMPILED
+
     _COMPILED.clear()
 
 
@@ -523,73 +338,37 @@ def profile_step(step: Callable[[], dict], device: torch.device) -> dict:
 
 
 def run_trainer(v: Variant, ctx: Ctx) -> dict:
-    import trainer.model as tm
-    import trainer.train as tt
     from trainer.config import LossConfig, ModelConfig, MonitorConfig, TrainerConfig
+    from trainer.train import Trainer
 
     cfg = TrainerConfig(
         run_dir=ctx.tmp / f"run_{v.name}",
         device=ctx.device.type,
         max_steps=100_000,
         micro_batch_tokens=ctx.seq * v.packed_samples,
+        micro_batch_rows=v.rows,
         model=ModelConfig(
             name=str(ctx.model_dir), compile=v.compile, activation_checkpointing=v.ac
         ),
         loss=LossConfig(logprob_chunk=v.chunk),
         monitor=MonitorConfig(progress=False, plot=False),
     )
-    with contextlib.ExitStack() as stack:
-        if not v.fsdp:
-            stack.enter_context(patched(tt, "apply_fsdp", lambda *a, **k: False))
-        if v.logprob == "proto":
-            stack.enter_context(patched(tm, "chunked_logprobs", proto_chunked_logprobs))
-        if not v.reshard:
-            import torch.distributed.fsdp as fsdp_mod
-
-            orig = fsdp_mod.fully_shard
-
-            def no_reshard(module, **kw):
-                return orig(module, **{**kw, "reshard_after_forward": False})
-
-            stack.enter_context(patched(fsdp_mod, "fully_shard", no_reshard))
-        if v.rows > 1:
-            split = tt.split_for_rank
-            stack.enter_context(
-                patched(tt, "split_for_rank", lambda *a, **k: stack_rows(split(*a, **k), v.rows))
-            )
-        t0 = time.perf_counter()
-        trainer = tt.Trainer(cfg)
-        setup_s = time.perf_counter() - t0
-        warm = ctx.compile_warmup if v.compile else ctx.warmup
-        res = time_steps(ctx, lambda: trainer.step(ctx.samples, "rl"), warm, v.name in ctx.profile)
-        m = res.pop("last_metrics")
-        res.update(
-            setup_s=setup_s,
-            fsdp_applied=bool(trainer.fsdp),
-            loss=m["loss"],
-            grad_norm=m["grad_norm"],
-            # Trainer counts tokens as rows x width: one [rows, L] micro-batch reads as L tokens
-            trainer_mfu=m["mfu"] if v.rows == 1 else None,
-            trainer_step_time_s=m["step_time_s"],
-            micro_batches=m["micro_batches"],
-        )
+    t0 = time.perf_counter()
+    trainer = Trainer(cfg)
+    setup_s = time.perf_counter() - t0
+    warm = ctx.compile_warmup if v.compile else ctx.warmup
+    res = time_steps(ctx, lambda: trainer.step(ctx.samples, "rl"), warm, v.name in ctx.profile)
+    m = res.pop("last_metrics")
+    res.update(
+        setup_s=setup_s,
+        fsdp_applied=bool(trainer.fsdp),
+        loss=m["loss"],
+        grad_norm=m["grad_norm"],
+        trainer_mfu=m["mfu"],
+        trainer_step_time_s=m["step_time_s"],
+        micro_batches=m["micro_batches"],
+    )
     return res
-
-
-def stack_rows(mbs: list, k: int) -> list:
-    """Micro-batches of one width, k at a time, as one [k, L] micro-batch (targets etc. flat)."""
-    from trainer.packing import MicroBatch
-
-    out = []
-    for i in range(0, len(mbs), k):
-        group = mbs[i : i + k]
-        if len({m.num_tokens for m in group}) != 1:
-            out.extend(group)
-            continue
-        fields = ("input_ids", "position_ids", "targets", "loss_mask", "mu", "advantages")
-        cat = {f: torch.cat([getattr(m, f) for m in group]) for f in fields}
-        out.append(MicroBatch(**cat, num_samples=sum(m.num_samples for m in group)))
-    return out
 
 
 def run_hf(v: Variant, ctx: Ctx) -> dict:
@@ -650,7 +429,7 @@ def run_variant(v: Variant, ctx: Ctx, skip: str | None) -> dict:
     cleanup(ctx.device)
     cuda = ctx.device.type == "cuda"
     if cuda:
-        set_tf32(v.tf32)
+        set_tf32(False)  # the HF rows run without TF32; `Trainer` turns it on itself
         torch.cuda.reset_peak_memory_stats(ctx.device)
         row["mem_at_start_gib"] = torch.cuda.memory_allocated(ctx.device) / 2**30
     console.print(f"[bold]{v.name}[/]: {v.desc}")
@@ -690,7 +469,7 @@ def run_variant(v: Variant, ctx: Ctx, skip: str | None) -> dict:
 
 # --- logprob micro-benchmark ------------------------------------------------------------
 def bench_logprob(device: torch.device, hidden: int, vocab: int, tokens: int, reps: int) -> list:
-    """chunked_logprobs fwd+bwd alone on one micro-batch: core vs prototype, per dtype set-up."""
+    """chunked_logprobs fwd+bwd alone on one micro-batch, per dtype set-up and chunk."""
     from trainer.loss import chunked_logprobs
 
     g = torch.Generator(device=device).manual_seed(0)
@@ -718,54 +497,26 @@ def bench_logprob(device: torch.device, hidden: int, vocab: int, tokens: int, re
         ("bf16 weight (FSDP2)", h16, w16, False),
         ("fp32 weight + autocast (no FSDP)", h32, w32, True),
     ]
-    for impl_name, impl in (("core", chunked_logprobs), ("proto", proto_chunked_logprobs)):
-        for setup, h, w, amp in cases:
-            for chunk in (1024, 4096):
-                for tf32 in (False, True):
-                    if impl_name == "proto" and tf32:
-                        continue  # the prototype runs no fp32 matmul: TF32 changes nothing
+    for setup, h, w, amp in cases:
+        for chunk in (1024, 4096):
 
-                    def fn(h=h, w=w, amp=amp, chunk=chunk, impl=impl) -> None:
-                        ctxm = (
-                            torch.autocast(device.type, dtype=torch.bfloat16)
-                            if amp
-                            else contextlib.nullcontext()
-                        )
-                        with ctxm:
-                            logp, _ent = impl(h, w, y, 1.0, chunk)
-                        (logp * adv).sum().backward()
-                        h.grad = w.grad = None
+            def fn(h=h, w=w, amp=amp, chunk=chunk) -> None:
+                ctxm = (
+                    torch.autocast(device.type, dtype=torch.bfloat16)
+                    if amp
+                    else contextlib.nullcontext()
+                )
+                with ctxm:
+                    logp, _ent = chunked_logprobs(h, w, y, 1.0, chunk)
+                (logp * adv).sum().backward()
+                h.grad = w.grad = None
 
-                    if device.type == "cuda":
-                        set_tf32(tf32)
-                    try:
-                        ms = timed(fn)
-                    except Exception as exc:
-                        rows.append({"impl": impl_name, "setup": setup, "error": repr(exc)[:300]})
-                        continue
-                    finally:
-                        if device.type == "cuda":
-                            set_tf32(False)
-                    rows.append(
-                        {"impl": impl_name, "setup": setup, "chunk": chunk, "tf32": tf32, "ms": ms}
-                    )
-    # the prototype against the core code (bf16 weight, chunk 1024): same logprobs and grads?
-    outs = []
-    for impl in (chunked_logprobs, proto_chunked_logprobs):
-        logp, ent = impl(h16, w16, y, 1.0, 1024)
-        (logp * adv).sum().backward()
-        outs.append((logp.detach(), ent.detach(), h16.grad.float(), w16.grad.float()))
-        h16.grad = w16.grad = None
-    (lc, ec, hc, wc), (lp, ep, hp, wp) = outs
-    check = {
-        "impl": "check: proto vs core (bf16 weight, chunk 1024)",
-        "setup": "max |diff|",
-        "logp_max_abs_diff": (lc - lp).abs().max().item(),
-        "entropy_max_abs_diff": (ec - ep).abs().max().item(),
-        "grad_hidden_rel_diff": ((hc - hp).norm() / hc.norm()).item(),
-        "grad_weight_rel_diff": ((wc - wp).norm() / wc.norm()).item(),
-    }
-    del outs, lc, ec, hc, wc, lp, ep, hp, wp
+            try:
+                ms = timed(fn)
+            except Exception as exc:
+                rows.append({"impl": "core", "setup": setup, "error": repr(exc)[:300]})
+                continue
+            rows.append({"impl": "core", "setup": setup, "chunk": chunk, "ms": ms})
     # floor: the three [T,H]x[H,V] bf16 matmuls the head needs (fwd, dgrad, wgrad) + recompute
     a, b = h16.detach(), w16.detach()
 
@@ -775,7 +526,6 @@ def bench_logprob(device: torch.device, hidden: int, vocab: int, tokens: int, re
         _ = zz.t() @ a
 
     rows.append({"impl": "matmul floor (fwd, dgrad, wgrad)", "setup": "bf16", "ms": timed(floor)})
-    rows.append(check)
     flop = 2 * tokens * hidden * vocab
     for r in rows:
         if "ms" in r:
@@ -792,9 +542,8 @@ def all_rows(report: dict) -> list[dict]:
 
 
 def print_table(report: dict) -> None:
-    base = next(
-        (r for r in report["variants"] if r["name"] == "hf_baseline" and r["status"] == "ok"), None
-    )
+    hf_ok = [r for r in report["variants"] if r["kind"] == "hf" and r["status"] == "ok"]
+    base = next((r for r in hf_ok if r["name"] == "hf_baseline"), hf_ok[0] if hf_ok else None)
     t = Table(
         title=f"trainer step: {report['meta']['shape_name']} on {report['meta']['device_name']}"
     )
@@ -806,7 +555,7 @@ def print_table(report: dict) -> None:
         "MFU %",
         "trainer mfu %",
         "peak GiB",
-        "x HF",
+        f"x {base['name']}" if base else "x HF",
         "loss@1 / gn@1",
     ):
         t.add_column(col, justify="left" if col in ("variant", "what") else "right")
@@ -841,14 +590,13 @@ def print_table(report: dict) -> None:
             )
     if report.get("logprob_micro"):
         lt = Table(title="chunked_logprobs fwd+bwd alone, one micro-batch")
-        for col in ("impl", "setup", "chunk", "tf32", "ms"):
+        for col in ("impl", "setup", "chunk", "ms"):
             lt.add_column(col)
         for r in report["logprob_micro"]:
             lt.add_row(
                 r["impl"],
                 r["setup"],
                 str(r.get("chunk", "")),
-                str(r.get("tf32", "")),
                 f"{r['ms']:.2f}"
                 if "ms" in r
                 else r.get("error")
@@ -915,6 +663,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     add("--compile-warmup", type=int, help="warm-up steps of compile variants (default 3)")
     add("--no-micro", action="store_true", help="skip the logprob micro-benchmark")
     add("--profile", default="", help="comma-separated variants to profile one extra step of")
+    add("--time-budget-s", type=float, help="skip the variants left once this much has run")
     add("--seed", type=int, default=0)
     add("--out", help="output stem (default tests/bench/results/trainer_h200 | trainer_cpu)")
     add("--replot", type=Path, help="only print the table and redraw the PNG of this JSON")
@@ -1050,6 +799,8 @@ def main(argv: list[str] | None = None) -> int:
                 if (v.compile and not cuda)
                 else None
             )
+            if args.time_budget_s and time.perf_counter() - t_start > args.time_budget_s:
+                skip = f"time budget of {args.time_budget_s:.0f} s spent"
             report["variants"].append(run_variant(v, ctx, skip))
             save()
     save()
