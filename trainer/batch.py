@@ -5,8 +5,8 @@ waits for it, trains step n on it, and never looks at it again.
 
 Invariants: a batch file appears whole or not at all (written to a temporary name, then
 renamed); every sample carries the policy version that generated it, and `read_batch`
-drops (and counts) any sample with step - version > async_level, so a stale rollout is
-never trained on even if an orchestrator bug let one through; `logprobs` are the
+drops (and counts) any sample whose `staleness` exceeds async_level, so a stale rollout
+is never trained on even if an orchestrator bug let one through; `logprobs` are the
 workers' (mu), aligned with `input_ids` (entry i is the logprob of token i given
 tokens < i; 0 where `loss_mask` is False).
 """
@@ -57,6 +57,20 @@ class Batch:
     """Orchestrator-side numbers for this step (rewards, drops, timings), logged by the trainer."""
 
 
+def staleness(step: int, version: int) -> int:
+    """Policy updates between a sample's generation and the step that trains on it.
+
+    Step n (1-based) updates policy n - 1 into policy n: a sample of policy n - 1 is
+    on-policy (0), so async_level 0 is synchronous RL and k lets generation run k policy
+    updates ahead of training."""
+    return step - 1 - version
+
+
+def oldest_admissible(step: int, async_level: int) -> int:
+    """The oldest policy version whose samples step `step` may train on."""
+    return max(0, step - 1 - async_level)
+
+
 def batch_path(run_dir: Path, step: int) -> Path:
     return Path(run_dir) / "rollouts" / f"step_{step}.pt"
 
@@ -79,7 +93,7 @@ def read_batch(run_dir: Path, step: int, async_level: int) -> tuple[Batch, int]:
     """The batch of `step` and how many stale samples were dropped from it."""
     payload = torch.load(batch_path(run_dir, step), weights_only=True)
     samples = [TrainingSample(**s) for s in payload["samples"]]
-    fresh = [s for s in samples if step - s.version <= async_level]
+    fresh = [s for s in samples if staleness(step, s.version) <= async_level]
     return Batch(step, fresh, payload.get("metrics", {})), len(samples) - len(fresh)
 
 

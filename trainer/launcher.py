@@ -31,7 +31,8 @@ def _commands(cfg: RLConfig) -> dict[str, list[str]]:
     orch_toml = write_resolved(cfg.orchestrator_config(), configs / "orchestrator.toml")
     py = sys.executable
     if cfg.trainer.nproc > 1:
-        trainer = [py, "-m", "torch.distributed.run", f"--nproc-per-node={cfg.trainer.nproc}"]
+        trainer = [py, "-m", "torch.distributed.run", "--standalone"]
+        trainer += [f"--nproc-per-node={cfg.trainer.nproc}"]
         trainer += ["-m", "trainer.train", "@", str(trainer_toml)]
     else:
         trainer = [py, "-m", "trainer.train", "@", str(trainer_toml)]
@@ -83,7 +84,8 @@ def run_rl(cfg: RLConfig, console: Console) -> int:
     finally:
         for child in children.values():
             child.stop()
-        plot_run(cfg.run_dir)
+        if cfg.monitor.plot:
+            plot_run(cfg.run_dir)
     if failed:
         console.print(
             f"[red]{failed} failed[/red]; its log ends with:\n{children[failed].log_tail()}"

@@ -49,6 +49,7 @@ class Monitor:
         enabled: bool = True,
     ):
         self.enabled = enabled  # False on FSDP ranks other than 0
+        self.run_dir = Path(run_dir)
         self.path = metrics_path(run_dir, process)
         self.cfg = cfg
         self.progress: Progress | None = None
@@ -89,13 +90,17 @@ class Monitor:
     def close(self) -> None:
         if self.progress is not None:
             self.progress.stop()
+            self.progress = None
+        if self.enabled and self.cfg.plot:
+            plot_run(self.run_dir)
         if self.wandb is not None:
             self.wandb.finish()
 
 
 def plot_run(run_dir: Path) -> Path | None:
     """Reward (orchestrator) and loss (trainer) per step into `<run_dir>/curves.png`."""
-    orch, train = read_metrics(run_dir, "orchestrator"), read_metrics(run_dir, "trainer")
+    orch = read_metrics(run_dir, "orchestrator")
+    train = read_metrics(run_dir, "trainer") or read_metrics(run_dir, "sft")
     if not orch and not train:
         return None
     import matplotlib

@@ -1,10 +1,10 @@
 """The orchestrator (`prime-trainer orchestrate`): environment -> rollouts through the pool
 -> verified, scored, filtered batches for the trainer (DESIGN.md section 2, steps 1 and 6).
 
-Per step n it waits until the trainer has written policy n - async_level (and has it
-announced to the pool), samples prompts with a seed derived from (pool, seed, step,
+Per step n it waits until the trainer has written the oldest policy step n may train on
+(n - 1 - async_level: `trainer.batch.staleness`), samples prompts with a seed derived from (pool, seed, step,
 round), runs the verifiers environment with its client pointed at the scheduler's
-OpenAI-compatible endpoint (`min_version`: the newest policy, at least n - async_level,
+OpenAI-compatible endpoint (`min_version`: the newest policy, never older than that,
 which the pool holds before the round starts), joins every turn with its
 verdict from the scheduler's results stream, scores with the environment's rubric, and
 writes `rollouts/step_<n>.pt`.
@@ -33,7 +33,7 @@ from protocol.envelope import open_envelope
 from protocol.identity import Identity
 from protocol.messages import PoolConfig
 from protocol.scheduler_client import SchedulerClient
-from trainer.batch import Batch, TrainingSample, batch_path, write_batch
+from trainer.batch import Batch, TrainingSample, batch_path, oldest_admissible, write_batch
 from trainer.config import OrchestratorConfig
 from trainer.envs import load_environment
 from trainer.monitor import Monitor
@@ -180,7 +180,7 @@ class Orchestrator:
 
     async def produce(self, client: SchedulerClient, step: int) -> dict[str, float]:
         cfg = self.cfg
-        min_version = max(0, step - cfg.async_level)
+        min_version = oldest_admissible(step, cfg.async_level)
         waited = 0.0
         t0 = time.monotonic()
         needed = cfg.batch_size // cfg.group_size

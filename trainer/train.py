@@ -18,7 +18,6 @@ with the same weights as one that never stopped.
 from __future__ import annotations
 
 import contextlib
-import json
 import logging
 import math
 import random
@@ -31,7 +30,7 @@ import torch
 from torch.optim.lr_scheduler import LambdaLR
 
 from protocol.config import load_config, write_resolved
-from trainer.batch import TrainingSample, wait_batch
+from trainer.batch import TrainingSample, oldest_admissible, wait_batch
 from trainer.checkpoint import (
     cleanup_checkpoints,
     latest_checkpoint,
@@ -41,6 +40,7 @@ from trainer.checkpoint import (
 from trainer.config import OptimConfig, SFTConfig, TrainerConfig
 from trainer.loss import aipo_loss, sft_loss
 from trainer.model import PolicyModel, compute_dtype, load_model, pick_device
+from trainer.monitor import Monitor
 from trainer.packing import pack_samples, split_for_rank
 from trainer.parallel import (
     all_reduce_sum,
@@ -78,22 +78,10 @@ def lr_factor(cfg: OptimConfig, max_steps: int) -> Callable[[int], float]:
     return factor
 
 
-class JsonlMetrics:
-    """Appends one JSON line of metrics per step (the default step hook)."""
-
-    def __init__(self, path: Path):
-        self.path = path
-
-    def __call__(self, step: int, metrics: dict[str, float]) -> None:
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        with self.path.open("a") as f:
-            f.write(json.dumps({"step": step, **metrics}) + "\n")
-
-
 class Trainer:
     """The policy, its optimizer and schedule, on this rank; built from a TrainerConfig."""
 
-    def __init__(self, cfg: TrainerConfig, metrics_file: str = "trainer_metrics.jsonl"):
+    def __init__(self, cfg: TrainerConfig, process: str = "trainer"):
         self.cfg = cfg
         self.rank, self.world = init_distributed()
         self.device = pick_device(cfg.device)
@@ -123,7 +111,11 @@ class Trainer:
         )
         self.scheduler = LambdaLR(self.optimizer, lr_factor(cfg.optim, cfg.max_steps))
         self.step_count = 0
-        self.step_hooks: list[StepHook] = [JsonlMetrics(cfg.run_dir / "logs" / metrics_file)]
+        # JSONL metrics, progress display and W&B (rank 0 only); callers may add hooks.
+        self.monitor = Monitor(
+            cfg.run_dir, process, cfg.monitor, cfg.max_steps, enabled=self.rank == 0
+        )
+        self.step_hooks: list[StepHook] = [self.monitor.log]
 
     # ---- one optimizer step -------------------------------------------------------------
 
@@ -259,7 +251,7 @@ class Trainer:
             state = self.full_state_dict()
             if self.rank == 0:
                 transport.save(n, state, self.hf_config, self.tokenizer)
-                transport.cleanup(keep_from=n - cfg.async_level)
+                transport.cleanup(keep_from=oldest_admissible(n + 1, cfg.async_level))
             del state
             if n % cfg.ckpt.interval == 0 or n == cfg.max_steps:
                 self.save_checkpoint(n)
@@ -288,7 +280,7 @@ def train_sft(cfg: SFTConfig, examples: list[TrainingSample]) -> Path:
         optim=cfg.optim, max_steps=cfg.max_steps, micro_batch_tokens=cfg.micro_batch_tokens,
         device=cfg.device,
     )  # fmt: skip
-    trainer = Trainer(tcfg, metrics_file="sft_metrics.jsonl")
+    trainer = Trainer(tcfg, process="sft")
     rng = random.Random(cfg.seed)  # same seed on every rank: the same batches everywhere
     order: list[int] = []
     for step in range(1, cfg.max_steps + 1):
@@ -299,6 +291,7 @@ def train_sft(cfg: SFTConfig, examples: list[TrainingSample]) -> Path:
                 rng.shuffle(order)
             batch.append(examples[order.pop()])
         trainer.on_step(step, trainer.step(batch, "sft"))
+    trainer.monitor.close()
     out = cfg.output if cfg.output not in (None, Path(""), Path(".")) else cfg.run_dir / "final"
     state = trainer.full_state_dict()
     if trainer.rank == 0:
@@ -310,11 +303,15 @@ def main(argv: list[str]) -> None:
     """`prime-trainer train @ config.toml --key value ...` (also under torchrun)."""
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     cfg = load_config(TrainerConfig, argv)
+    trainer = None
     try:
-        Trainer(cfg).run()
+        trainer = Trainer(cfg)
+        trainer.run()
     except TimeoutError as exc:
         raise SystemExit(f"prime-trainer train: {exc}") from None
     finally:
+        if trainer is not None:
+            trainer.monitor.close()
         destroy_distributed()
 
 

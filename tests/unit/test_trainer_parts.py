@@ -128,9 +128,12 @@ def test_batch_file_drops_stale_samples(tmp_path):
     def sample(v: int) -> TrainingSample:
         return TrainingSample([1, 2, 3], [False, True, True], [0, -1, -1], 0.5, version=v)
 
-    write_batch(tmp_path, Batch(6, [sample(4), sample(3), sample(6)], {"reward_mean": 0.3}))
+    # Step 6 turns policy 5 into 6: policy 5 is on-policy, 3 two updates stale, 2 three.
+    write_batch(tmp_path, Batch(6, [sample(5), sample(2), sample(3)], {"reward_mean": 0.3}))
     batch, stale = read_batch(tmp_path, 6, async_level=2)
-    assert stale == 1 and [s.version for s in batch.samples] == [4, 6]
+    assert stale == 1 and [s.version for s in batch.samples] == [5, 3]
+    _, stale = read_batch(tmp_path, 6, async_level=0)
+    assert stale == 2, "async_level 0 trains on-policy samples only"
     assert batch.metrics == {"reward_mean": 0.3}
     with pytest.raises(ValueError, match="disagree in length"):
         TrainingSample([1, 2], [True], [0.0, 0.0], 1.0)

@@ -1,0 +1,105 @@
+"""Test and benchmark helper: a whole RL run on this machine. SFT warm-up of the tiny
+model on reverse-text, a real pool on loopback (scheduler + workers serving the SFT
+model, fast heartbeats), then `prime-trainer rl` against it; and a summary of what the
+run's metrics files say."""
+
+from __future__ import annotations
+
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from tests.pools import make_pool
+from trainer.monitor import read_metrics
+
+REPO = Path(__file__).resolve().parent.parent
+ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
+FAST_HEARTBEATS = (
+    "--lifecycle.heartbeat-interval-s", "1",
+    "--lifecycle.unhealthy-after-s", "10",
+    "--lifecycle.dead-after-s", "20",
+)  # fmt: skip
+
+
+class RunFailed(AssertionError):
+    """A child command of the run exited non-zero (the message holds its log tail)."""
+
+
+def trainer_cli(*args: str, timeout: float = 600) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "trainer.cli", *args],
+        cwd=REPO,
+        env=ENV,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+
+
+def sft_warmup(run: Path) -> tuple[Path, float]:
+    """SFT the tiny model on reverse-text; returns the model folder and the seconds taken."""
+    t0 = time.monotonic()
+    out = trainer_cli(
+        "sft", "@", "configs/rl/sft-reverse-text-tiny.toml", "--run-dir", str(run),
+        "--monitor.progress", "false",
+    )  # fmt: skip
+    if out.returncode:
+        raise RunFailed(out.stderr[-3000:])
+    return run / "final", time.monotonic() - t0
+
+
+def rl_through_pool(workdir: Path, model: Path, *args: str, workers: int = 3) -> tuple[Path, float]:
+    """`prime-trainer rl @ configs/rl/reverse-text-tiny.toml` on a fresh pool serving
+    `model`; returns the run directory and the seconds the rl command took."""
+    pool = make_pool(workdir, model=str(model))
+    try:
+        pool.start_scheduler(*FAST_HEARTBEATS)
+        pool.join_many([f"w{i}" for i in range(workers)])
+        run = workdir / "run"
+        t0 = time.monotonic()
+        out = trainer_cli(
+            "rl", "@", "configs/rl/reverse-text-tiny.toml", "--model.name", str(model),
+            "--run-dir", str(run), "--orchestrator.pool", str(pool.pool_file),
+            "--orchestrator.trainer-key", str(workdir / "trainer.key"),
+            "--orchestrator.scheduler", pool.url, "--monitor.progress", "false", *args,
+        )  # fmt: skip
+        took = time.monotonic() - t0
+        if out.returncode:
+            logs = run / "logs"
+            tails = [
+                (logs / f"{n}.log").read_text()[-2000:]
+                for n in ("trainer", "orchestrator")
+                if (logs / f"{n}.log").exists()
+            ]
+            raise RunFailed("\n".join([out.stderr[-2000:], *tails]))
+        return run, took
+    finally:
+        pool.close()
+
+
+def summarize(run: Path) -> dict[str, float]:
+    """Reward of the first and last fifth of the steps (mean and sd), the trainer's idle
+    time per step (its wait for the orchestrator, the pipeline's first fill excluded),
+    step times, and the orchestrator's time per batch."""
+    trained, made = read_metrics(run, "trainer"), read_metrics(run, "orchestrator")
+    rewards = [r["reward_mean"] for r in made]
+    fifth = max(2, len(rewards) // 5)
+    first, last = rewards[:fifth], rewards[-fifth:]
+    idle = [r["idle_s"] for r in trained[1:]]
+    return {
+        "steps": len(trained),
+        "reward_first_fifth": statistics.fmean(first),
+        "reward_first_fifth_sd": statistics.stdev(first),
+        "reward_last_fifth": statistics.fmean(last),
+        "reward_last_fifth_sd": statistics.stdev(last),
+        "trainer_step_s": statistics.fmean(r["step_time_s"] for r in trained),
+        "trainer_idle_s": statistics.fmean(idle),
+        "trainer_idle_fraction": sum(idle)
+        / (sum(idle) + sum(r["step_time_s"] for r in trained[1:])),
+        "orchestrator_generate_s": statistics.fmean(r["generate_s"] for r in made),
+        "orchestrator_wait_policy_s": statistics.fmean(r["wait_policy_s"] for r in made),
+        "mismatch_kl": statistics.fmean(r["mismatch_kl"] for r in trained),
+    }
