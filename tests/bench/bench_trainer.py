@@ -154,6 +154,12 @@ VARIANTS: list[Variant] = [
     Variant("trainer_rows4", "defaults + micro_batch_rows=4 (one [4, 4096] forward)", rows=4),
     Variant("trainer_tuned", "compile, micro_batch_rows=4, chunk 4096", **TUNED),
     Variant("trainer_tuned_ac", "trainer_tuned + activation checkpointing", **TUNED, ac=True),
+    Variant(
+        "trainer_tuned_rows8",
+        "compile, micro_batch_rows=8 (run with --samples 8)",
+        compile=True,
+        rows=8,
+    ),
     Variant("trainer_tuned_chunk1024", "trainer_tuned, logprob chunk 1024", **TUNED, chunk=1024),
     Variant("trainer_tuned_cudnn_attn", "trainer_tuned, sdpa prefers cuDNN", **TUNED, attn="cudnn"),
     Variant(
