@@ -115,7 +115,13 @@ async def run_verifiers_env(url: str) -> set[str]:
     out = await env.evaluate(
         client=vf.ClientConfig(api_base_url=f"{url}/v1", api_key_var="PRIME_TEST_API_KEY"),
         model="tiny",
-        sampling_args={"logprobs": True, "max_tokens": 8, "extra_body": {"return_token_ids": True}},
+        # ignore_eos: a random tiny model sometimes ends at once, and verifiers calls an
+        # empty answer an error (EmptyModelResponseError).
+        sampling_args={
+            "logprobs": True,
+            "max_tokens": 8,
+            "extra_body": {"return_token_ids": True, "ignore_eos": True},
+        },
         num_examples=3,
         rollouts_per_example=2,
         state_columns=["trajectory"],
