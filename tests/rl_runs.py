@@ -5,14 +5,16 @@ run's metrics files say."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import statistics
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
-from tests.pools import make_pool
+from tests.pools import Pool, make_pool
 from trainer.monitor import read_metrics
 
 REPO = Path(__file__).resolve().parent.parent
@@ -51,33 +53,48 @@ def sft_warmup(run: Path) -> tuple[Path, float]:
     return run / "final", time.monotonic() - t0
 
 
-def rl_through_pool(workdir: Path, model: Path, *args: str, workers: int = 3) -> tuple[Path, float]:
-    """`prime-trainer rl @ configs/rl/reverse-text-tiny.toml` on a fresh pool serving
-    `model`; returns the run directory and the seconds the rl command took."""
+@contextlib.contextmanager
+def serving_pool(workdir: Path, model: Path, workers: int = 3) -> Iterator[Pool]:
+    """A scheduler and `workers` nodes serving `model`, stopped on exit."""
     pool = make_pool(workdir, model=str(model))
     try:
         pool.start_scheduler(*FAST_HEARTBEATS)
         pool.join_many([f"w{i}" for i in range(workers)])
-        run = workdir / "run"
-        t0 = time.monotonic()
-        out = trainer_cli(
-            "rl", "@", "configs/rl/reverse-text-tiny.toml", "--model.name", str(model),
-            "--run-dir", str(run), "--orchestrator.pool", str(pool.pool_file),
-            "--orchestrator.trainer-key", str(workdir / "trainer.key"),
-            "--orchestrator.scheduler", pool.url, "--monitor.progress", "false", *args,
-        )  # fmt: skip
-        took = time.monotonic() - t0
-        if out.returncode:
-            logs = run / "logs"
-            tails = [
-                (logs / f"{n}.log").read_text()[-2000:]
-                for n in ("trainer", "orchestrator")
-                if (logs / f"{n}.log").exists()
-            ]
-            raise RunFailed("\n".join([out.stderr[-2000:], *tails]))
-        return run, took
+        yield pool
     finally:
         pool.close()
+
+
+def rl_args(pool: Pool, model: Path, run: Path, *args: str) -> list[str]:
+    """`prime-trainer rl` arguments for the reverse-text config on `pool`."""
+    return [
+        "rl", "@", "configs/rl/reverse-text-tiny.toml", "--model.name", str(model),
+        "--run-dir", str(run), "--orchestrator.pool", str(pool.pool_file),
+        "--orchestrator.trainer-key", str(pool.workdir / "trainer.key"),
+        "--orchestrator.scheduler", pool.url, "--monitor.progress", "false", *args,
+    ]  # fmt: skip
+
+
+def check_finished(out: subprocess.CompletedProcess, run: Path) -> None:
+    if out.returncode:
+        logs = run / "logs"
+        tails = [
+            (logs / f"{n}.log").read_text()[-2000:]
+            for n in ("trainer", "orchestrator")
+            if (logs / f"{n}.log").exists()
+        ]
+        raise RunFailed("\n".join([out.stderr[-2000:], *tails]))
+
+
+def rl_through_pool(workdir: Path, model: Path, *args: str, workers: int = 3) -> tuple[Path, float]:
+    """`prime-trainer rl @ configs/rl/reverse-text-tiny.toml` on a fresh pool serving
+    `model`; returns the run directory and the seconds the rl command took."""
+    with serving_pool(workdir, model, workers) as pool:
+        run = workdir / "run"
+        t0 = time.monotonic()
+        out = trainer_cli(*rl_args(pool, model, run, *args))
+        check_finished(out, run)
+        return run, time.monotonic() - t0
 
 
 def summarize(run: Path) -> dict[str, float]:

@@ -9,12 +9,25 @@ from __future__ import annotations
 
 import json
 import math
+import subprocess
+import sys
+import time
 from pathlib import Path
 
 import pytest
 import torch
 
-from tests.rl_runs import rl_through_pool, sft_warmup, summarize
+from tests.rl_runs import (
+    ENV,
+    REPO,
+    check_finished,
+    rl_args,
+    rl_through_pool,
+    serving_pool,
+    sft_warmup,
+    summarize,
+    trainer_cli,
+)
 from trainer.batch import batch_path, staleness
 from trainer.monitor import read_metrics
 
@@ -79,3 +92,34 @@ def test_multi_turn_episodes_train_on_every_turn(tmp_path, sft_model):
         assert len(samples) == 2 * made[n - 1]["groups"] * 4
         lengths = sorted(len(s["input_ids"]) for s in samples)
         assert lengths[-1] > lengths[0] + 10
+
+
+def test_rl_killed_after_a_checkpoint_resumes_where_it_stopped(tmp_path, sft_model):
+    """kill -9 of the whole `rl` (trainer and orchestrator die with it) right after the
+    step-4 checkpoint; `--ckpt.resume` continues from it and keeps the batches already
+    written (same data), and the run finishes."""
+    steps = ("--max-steps", "8", "--ckpt.interval", "4")
+    with serving_pool(tmp_path, sft_model) as pool:
+        run = tmp_path / "run"
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "trainer.cli", *rl_args(pool, sft_model, run, *steps)],
+            cwd=REPO, env=ENV, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+        )  # fmt: skip
+        marker = run / "checkpoints" / "step_4" / "trainer" / "COMPLETE"
+        deadline = time.monotonic() + 300
+        while not marker.exists():
+            assert proc.poll() is None and time.monotonic() < deadline, "no step-4 checkpoint"
+            time.sleep(0.1)
+        proc.kill()
+        proc.wait(30)
+        written = {p.name: p.read_bytes() for p in (run / "rollouts").glob("step_*.pt")}
+        assert "step_5.pt" in written, "the orchestrator works ahead of the trainer"
+        time.sleep(1)  # the children die with their parent (parent-death signal)
+        out = trainer_cli(*rl_args(pool, sft_model, run, *steps, "--ckpt.resume"))
+        check_finished(out, run)
+    assert "resumed from the checkpoint of step 4" in (run / "logs" / "trainer.log").read_text()
+    trained = read_metrics(run, "trainer")
+    assert [r["step"] for r in trained] == list(range(1, 9))
+    for name, data in written.items():
+        assert (run / "rollouts" / name).read_bytes() == data, f"{name} was regenerated"
+    assert (run / "weights" / "step_8" / "STABLE").exists()
