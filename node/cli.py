@@ -127,9 +127,9 @@ def keygen(
 @app.command("prepare-model")
 def prepare_model(name: str = typer.Argument(..., help="'tiny' or 'smollm2'")) -> None:
     """Build (tiny) or dequantize (smollm2) a bundled model into the cache; print its folder."""
-    from verifier.models import resolve_model
+    from verifier.models import BUNDLED_MODELS, resolve_model
 
-    if name not in ("tiny", "smollm2"):
+    if name not in BUNDLED_MODELS:
         console.print(f"[red]unknown bundled model {name!r}: use 'tiny' or 'smollm2'[/red]")
         raise typer.Exit(2)
     with console.status(f"preparing {name}"):

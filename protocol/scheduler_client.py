@@ -105,6 +105,16 @@ class SchedulerClient:
                 yield r
             after = page.last_seq
 
+    async def health(self) -> dict:
+        """The scheduler's `/health` (node counts, healthy nodes per weights version)."""
+
+        async def attempt(url: str) -> dict:
+            async with self.session.get(f"{url}/health") as resp:
+                resp.raise_for_status()
+                return await resp.json()
+
+        return await self._retrying(attempt)
+
     async def publish_weights(self, update: WeightUpdate) -> int:
         """Make `update` the pool's current weights (nodes get it with their next heartbeat)."""
 

@@ -31,8 +31,13 @@ from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_di
 MARKER = "COMPLETE"
 
 
+def step_dir(run_dir: Path, step: int) -> Path:
+    """`<run_dir>/checkpoints/step_<n>/`: the trainer's part and the orchestrator's file."""
+    return Path(run_dir) / "checkpoints" / f"step_{step}"
+
+
 def checkpoint_dir(run_dir: Path, step: int) -> Path:
-    return Path(run_dir) / "checkpoints" / f"step_{step}" / "trainer"
+    return step_dir(run_dir, step) / "trainer"
 
 
 def complete_steps(run_dir: Path) -> list[int]:

@@ -90,20 +90,16 @@ def sft(ctx: typer.Context) -> None:
 def evaluate(ctx: typer.Context) -> None:
     """Mean reward on an environment through an OpenAI-compatible endpoint."""
     import asyncio
-    import os
-
-    import verifiers as vf
 
     from trainer.config import EvalConfig
-    from trainer.envs import load_environment
+    from trainer.envs import load_environment, openai_client
 
     cfg = load_config_or_exit(EvalConfig, ctx.args)
     write_resolved(cfg, Path(cfg.run_dir) / "configs" / "eval.toml")
-    os.environ.setdefault("PRIME_POOL_API_KEY", "unused")
     env = load_environment(cfg.env)
     out = asyncio.run(
         env.evaluate(
-            client=vf.ClientConfig(api_base_url=cfg.base_url, api_key_var="PRIME_POOL_API_KEY"),
+            client=openai_client(cfg.base_url),
             model=cfg.model_name,
             sampling_args={
                 "temperature": cfg.sampling.temperature,

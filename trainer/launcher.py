@@ -17,12 +17,11 @@ import time
 from pathlib import Path
 
 from rich.console import Console
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from protocol.config import write_resolved
 from protocol.processes import ManagedProcess
 from trainer.config import RLConfig
-from trainer.monitor import plot_run, read_metrics
+from trainer.monitor import make_progress, plot_run, read_metrics
 
 
 def _commands(cfg: RLConfig) -> dict[str, list[str]]:
@@ -47,15 +46,7 @@ def run_rl(cfg: RLConfig, console: Console) -> int:
         name: ManagedProcess.start(name, cmd, "", logs / f"{name}.log", wait=False)
         for name, cmd in _commands(cfg).items()
     }
-    progress = Progress(
-        TextColumn("[bold]rl"),
-        BarColumn(),
-        MofNCompleteColumn(),
-        TimeElapsedColumn(),
-        TextColumn("{task.description}"),
-        console=console,
-        disable=not cfg.monitor.progress,
-    )
+    progress = make_progress("rl", console, disable=not cfg.monitor.progress)
     task = progress.add_task("", total=cfg.max_steps)
     failed = ""
     try:

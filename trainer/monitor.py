@@ -21,6 +21,19 @@ from trainer.config import MonitorConfig
 SHOWN = ("reward_mean", "loss", "grad_norm", "entropy", "mismatch_kl", "idle_s", "tokens_per_s")
 
 
+def make_progress(label: str, console: Console, disable: bool = False) -> Progress:
+    """The run progress bar every trusted-side process draws (steps done of the run)."""
+    return Progress(
+        TextColumn(f"[bold]{label}"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TimeElapsedColumn(),
+        TextColumn("{task.description}"),
+        console=console,
+        disable=disable,
+    )
+
+
 def metrics_path(run_dir: Path, process: str) -> Path:
     return Path(run_dir) / "logs" / f"{process}_metrics.jsonl"
 
@@ -58,14 +71,7 @@ class Monitor:
             return
         self.path.parent.mkdir(parents=True, exist_ok=True)
         if cfg.progress:
-            self.progress = Progress(
-                TextColumn(f"[bold]{process}"),
-                BarColumn(),
-                MofNCompleteColumn(),
-                TimeElapsedColumn(),
-                TextColumn("{task.description}"),
-                console=Console(stderr=True),
-            )
+            self.progress = make_progress(process, Console(stderr=True))
             self.task = self.progress.add_task("", total=total_steps, completed=start_step)
             self.progress.start()
         if cfg.wandb_project:

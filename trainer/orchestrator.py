@@ -25,6 +25,7 @@ import json
 import logging
 import os
 import random
+import statistics
 import time
 from dataclasses import asdict
 from pathlib import Path
@@ -34,14 +35,14 @@ from protocol.identity import Identity
 from protocol.messages import PoolConfig
 from protocol.scheduler_client import SchedulerClient
 from trainer.batch import Batch, TrainingSample, batch_path, oldest_admissible, write_batch
+from trainer.checkpoint import step_dir
 from trainer.config import OrchestratorConfig
-from trainer.envs import load_environment
+from trainer.envs import load_environment, openai_client
 from trainer.monitor import Monitor
 from trainer.rollouts import Verdict, build_samples, episodes_from_outputs
 from trainer.weights import make_transport
 
 log = logging.getLogger("prime.orchestrator")
-API_KEY_VAR = "PRIME_POOL_API_KEY"  # verifiers wants a key variable; the pool needs none
 VERDICT_TIMEOUT_S = 300.0
 POOL_SYNC_TIMEOUT_S = 60.0
 
@@ -56,15 +57,17 @@ def prompt_indices(pool_id: str, seed: int, step: int, rnd: int, k: int, n: int)
     return random.Random(digest).sample(range(n), min(k, n))
 
 
-def _state_path(run_dir: Path, step: int) -> Path:
-    return Path(run_dir) / "checkpoints" / f"step_{step}" / "orchestrator.json"
+STATE_FILE = "orchestrator.json"  # beside the trainer's part of checkpoints/step_<n>/
+
+
+def saved_states(run_dir: Path) -> list[Path]:
+    """The orchestrator's checkpoint files, oldest step first."""
+    found = (Path(run_dir) / "checkpoints").glob(f"step_*/{STATE_FILE}")
+    return sorted(found, key=lambda p: int(p.parent.name.removeprefix("step_")))
 
 
 def latest_state(run_dir: Path) -> dict | None:
-    found = sorted(
-        (Path(run_dir) / "checkpoints").glob("step_*/orchestrator.json"),
-        key=lambda p: int(p.parent.name.removeprefix("step_")),
-    )
+    found = saved_states(run_dir)
     return json.loads(found[-1].read_text()) if found else None
 
 
@@ -120,8 +123,7 @@ class Orchestrator:
         latest = self.published
         deadline = time.monotonic() + POOL_SYNC_TIMEOUT_S
         while True:
-            async with client.session.get(f"{client.url}/health") as resp:
-                versions = (await resp.json()).get("healthy_versions", {})
+            versions = (await client.health())["healthy_versions"]
             holding = sum(c for v, c in versions.items() if int(v) >= latest)
             if holding and holding == sum(versions.values()):
                 break
@@ -158,8 +160,6 @@ class Orchestrator:
         }
 
     async def _round(self, step: int, rnd: int, groups: int, min_version: int):
-        import verifiers as vf
-
         rows = prompt_indices(
             self.pool.pool_id, self.cfg.seed, step, rnd, groups, len(self.dataset)
         )
@@ -167,7 +167,7 @@ class Orchestrator:
         base = self.cfg.scheduler.split(",")[0].rstrip("/")
         out = await self.env.generate(
             inputs,
-            client=vf.ClientConfig(api_base_url=f"{base}/v1", api_key_var=API_KEY_VAR),
+            client=openai_client(f"{base}/v1"),
             model=self.cfg.model_name or self.pool.model,
             sampling_args=self._sampling_args(min_version),
             max_concurrent=self.cfg.max_concurrent,
@@ -203,8 +203,8 @@ class Orchestrator:
             self.buffer += fresh[take:]
         samples = [s for g in chosen for s in g]
         metrics = {
-            "reward_mean": sum(rewards) / len(rewards) if rewards else 0.0,
-            "reward_std": _std(rewards),
+            "reward_mean": statistics.fmean(rewards) if rewards else 0.0,
+            "reward_std": statistics.stdev(rewards) if len(rewards) > 1 else 0.0,
             "episodes": len(rewards),
             "groups": len(chosen),
             "samples": len(samples),
@@ -219,11 +219,10 @@ class Orchestrator:
         write_batch(cfg.run_dir, Batch(step, samples, metrics))
         # Nodes load new weights while the trainer trains: the next round finds them ready.
         await self._announce_latest(client)
-        self.transport.cleanup(keep_from=min_version)
         return metrics
 
     def _checkpoint(self, step: int) -> None:
-        path = _state_path(self.cfg.run_dir, step)
+        path = step_dir(self.cfg.run_dir, step) / STATE_FILE
         path.parent.mkdir(parents=True, exist_ok=True)
         state = {
             "step": step,
@@ -233,18 +232,13 @@ class Orchestrator:
         tmp = path.with_suffix(".tmp")
         tmp.write_text(json.dumps(state))
         os.replace(tmp, path)
-        older = sorted(
-            (Path(self.cfg.run_dir) / "checkpoints").glob("step_*/orchestrator.json"),
-            key=lambda p: int(p.parent.name.removeprefix("step_")),
-        )[: -self.cfg.ckpt.keep_last]
-        for old in older:
+        for old in saved_states(self.cfg.run_dir)[: -self.cfg.ckpt.keep_last]:
             old.unlink()
             with contextlib.suppress(OSError):  # the trainer's part may still be there
                 old.parent.rmdir()
 
     async def run(self) -> None:
         cfg = self.cfg
-        os.environ.setdefault(API_KEY_VAR, "unused")
         monitor = Monitor(
             cfg.run_dir, "orchestrator", cfg.monitor, cfg.max_steps, self.start_step - 1
         )
@@ -274,18 +268,3 @@ class Orchestrator:
             dead = next(iter(done))
             raise OrchestratorError(f"{dead.get_name()} stopped: {dead.exception()!r}")
         return main.result()
-
-
-def _std(xs: list[float]) -> float:
-    if len(xs) < 2:
-        return 0.0
-    m = sum(xs) / len(xs)
-    return (sum((x - m) ** 2 for x in xs) / (len(xs) - 1)) ** 0.5
-
-
-def main(argv: list[str]) -> None:
-    from protocol.config import load_config, write_resolved
-
-    cfg = load_config(OrchestratorConfig, argv)
-    write_resolved(cfg, Path(cfg.run_dir) / "configs" / "orchestrator.toml")
-    asyncio.run(Orchestrator(cfg).run())

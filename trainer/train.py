@@ -29,7 +29,7 @@ from pathlib import Path
 import torch
 from torch.optim.lr_scheduler import LambdaLR
 
-from protocol.config import load_config, write_resolved
+from protocol.config import load_config_or_exit, write_resolved
 from trainer.batch import TrainingSample, oldest_admissible, wait_batch
 from trainer.checkpoint import (
     cleanup_checkpoints,
@@ -302,7 +302,7 @@ def train_sft(cfg: SFTConfig, examples: list[TrainingSample]) -> Path:
 def main(argv: list[str]) -> None:
     """`prime-trainer train @ config.toml --key value ...` (also under torchrun)."""
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
-    cfg = load_config(TrainerConfig, argv)
+    cfg = load_config_or_exit(TrainerConfig, argv)  # a bad config: message, exit 2
     trainer = None
     try:
         trainer = Trainer(cfg)

@@ -13,6 +13,7 @@ nothing a worker returns is taken as a reward.
 from __future__ import annotations
 
 import importlib
+import os
 from typing import Any
 
 from trainer.config import EnvConfig
@@ -33,6 +34,17 @@ def _resolve(target: str):
         return getattr(importlib.import_module(module), func)
     except (ImportError, AttributeError) as exc:
         raise ValueError(f"cannot load environment {target!r}: {exc}") from exc
+
+
+API_KEY_VAR = "PRIME_POOL_API_KEY"  # verifiers wants a key variable; pools need none
+
+
+def openai_client(base_url: str) -> Any:
+    """A verifiers client config for an OpenAI-compatible endpoint (`.../v1`)."""
+    import verifiers as vf
+
+    os.environ.setdefault(API_KEY_VAR, "unused")
+    return vf.ClientConfig(api_base_url=base_url, api_key_var=API_KEY_VAR)
 
 
 def load_environment(cfg: EnvConfig) -> Any:
