@@ -1,5 +1,5 @@
 """`prime-node`: run a worker (standalone or in a pool), manage its key, prepare bundled
-models, calibrate thresholds.
+models, calibrate thresholds, fetch a weights version from swarm peers by hand.
 
 Every command takes its settings through the shared config loader
 (`protocol.config`): ``--section.key value`` flags, ``@ file.toml`` and ``PRIME_`` env vars.
@@ -84,6 +84,55 @@ def serve(ctx: typer.Context) -> None:
         access_log=None,
         handle_signals=True,
     )
+
+
+@app.command(context_settings=EXTRA)
+def fetch(ctx: typer.Context) -> None:
+    """Download a version by its signed manifest from peers, checking every piece.
+
+    Example: prime-node fetch --manifest step_3/.manifest --trusted_key 12D3KooW...
+    --peers '["/ip4/1.2.3.4/tcp/4001/p2p/12D3KooW..."]'
+    """
+    import time
+
+    from node.config import FetchConfig
+    from protocol.identity import Identity, public_key_from_node_id
+    from protocol.swarm.follow import follow
+    from protocol.swarm.host import SwarmHost
+    from protocol.swarm.manifest import ManifestError, open_manifest
+
+    cfg = _config(FetchConfig, ctx.args)
+    setup_logging()
+    identity = Identity.load_or_create(cfg.key_file)
+    envelope = cfg.manifest.read_bytes()
+    with SwarmHost(identity, cfg.swarm, {public_key_from_node_id(cfg.trusted_key)}) as host:
+        try:
+            fut = host.fetch(envelope, cfg.dest.resolve(), cfg.peers)
+        except ManifestError as exc:
+            console.print(f"[red]{exc}[/red]")
+            raise typer.Exit(2) from exc
+        digest = open_manifest(envelope, host.trusted).digest()
+        started = time.time()
+        status = follow(
+            host,
+            digest,
+            until=lambda s: s.complete,
+            status_file=cfg.status_file,
+            show_progress=cfg.progress,
+        )
+        console.print(
+            f"step {status.step} complete in {status.folder} after {time.time() - started:.1f} s"
+            f" ({status.downloaded / 2**20:.1f} MiB downloaded, {status.bad_pieces} bad pieces)"
+        )
+        fut.result()
+        stop_at = time.time() + cfg.seed_after_s
+        follow(
+            host,
+            digest,
+            until=lambda _: time.time() > stop_at,
+            status_file=cfg.status_file,
+            show_progress=False,
+        )
 
 
 @app.command(context_settings=EXTRA)

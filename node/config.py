@@ -14,6 +14,7 @@ from pydantic import Field, field_validator, model_validator
 from protocol.config import PrimeSettings, Section
 from protocol.identity import IdentityError, public_key_from_node_id
 from protocol.messages import VerificationPolicy
+from protocol.swarm.config import SwarmConfig
 from verifier.models import check_model_name
 
 # Hosts a node listens on that no scheduler can reach it by.
@@ -214,3 +215,47 @@ class CalibrateConfig(PrimeSettings):
     """Seed of prompts and sampling noise."""
     out: Path | None = None
     """Where to write the proposed [verification] table (TOML)."""
+
+
+class FetchConfig(PrimeSettings):
+    """`prime-node fetch`: download a version by its signed manifest from swarm peers (for
+    operators testing their links; a pool node fetches by itself)."""
+
+    manifest: Path
+    """The signed manifest file (`.manifest` as written by `prime-trainer publish`)."""
+    trusted_key: str
+    """Node id (12D3KooW...) of the key that must have signed the manifest: the pool's
+    trainer key."""
+    dest: Path = Path("weights/fetched")
+    """Folder to download into (a `.partial` sibling holds an unfinished download; run the
+    same command again to resume it)."""
+    peers: list[str] = []
+    """Peers to start from: multiaddrs ending in /p2p/<peer id> (the seed's, printed by
+    `prime-trainer publish`); more are learned from them."""
+    key_file: Path = Path("~/.prime-swarm/node.key")
+    """This node's Ed25519 key (its libp2p peer id)."""
+    swarm: SwarmConfig = SwarmConfig()
+    """This peer: listen address, upload and download caps, upload slots."""
+    status_file: Path | None = None
+    """Rewrite this JSON file with the download's counters every half second."""
+    seed_after_s: float = Field(0.0, ge=0.0)
+    """Keep serving pieces to others this long after finishing."""
+    progress: bool = True
+    """Show a progress bar."""
+
+    @field_validator("trusted_key")
+    @classmethod
+    def check_trusted_key_is_node_id(cls, v: str) -> str:
+        try:
+            public_key_from_node_id(v)
+        except IdentityError as exc:
+            raise ValueError(f"trusted_key must be a node id like 12D3KooW...: {exc}") from exc
+        return v
+
+    @field_validator("peers")
+    @classmethod
+    def check_peers_have_ids(cls, v: list[str]) -> list[str]:
+        for a in v:
+            if "/p2p/" not in a:
+                raise ValueError(f"peer {a!r} must end in /p2p/<peer id>")
+        return v

@@ -192,14 +192,28 @@ class Verdict(Message):
 
 
 class WeightUpdate(Message):
-    """Trainer -> worker: load this weights version (signed by the pool's trainer key)."""
+    """Trainer -> worker: load this weights version (signed by the pool's trainer key).
+
+    Filesystem transport: `path` names a folder the node can read. Swarm transport:
+    `manifest` is the trainer-signed `Manifest` envelope and `seeders` where to start
+    fetching its pieces; the node downloads into its own folder and ignores `path`."""
 
     version: int = Field(ge=0)
     """Policy version (trainer step) of the weights."""
-    path: str = Field(min_length=1, max_length=4096)
+    path: str = Field("", max_length=4096)
     """Folder with the safetensors weights (filesystem transport)."""
     weights_hash: str = Field("", max_length=128)
     """Manifest hash of the weights ('' to let the node hash the files)."""
+    manifest: bytes = Field(b"", max_length=64 * 1024 * 1024)
+    """Trainer-signed `Manifest` envelope (swarm transport); empty for the filesystem one."""
+    seeders: list[str] = Field([], max_length=64)
+    """libp2p multiaddrs (ending in /p2p/<peer id>) that hold every piece (swarm transport)."""
+
+    @model_validator(mode="after")
+    def check_path_or_manifest(self) -> WeightUpdate:
+        if not self.path and not self.manifest:
+            raise ValueError("a weights update needs a folder path or a swarm manifest")
+        return self
 
 
 class WeightReload(Message):
@@ -461,27 +475,115 @@ class PoolConfig(Message):
     """Largest allowed age (in steps) of a rollout's policy at training time."""
 
 
-class PieceInfo(Message):
-    """One piece of a weights file."""
+class FileEntry(Message):
+    """One file of a weights version, in the order the files are concatenated."""
 
+    name: str = Field(min_length=1, max_length=255)
+    """File name inside the weights folder (no directories)."""
     size: int = Field(ge=0)
-    """Bytes in the piece."""
-    sha256: str = Field(min_length=64, max_length=64)
-    """Hex SHA-256 of the piece."""
+    """Bytes in the file."""
+
+    @field_validator("name")
+    @classmethod
+    def check_plain_file_name(cls, v: str) -> str:
+        if "/" in v or "\\" in v or v.startswith(".") or "\x00" in v:
+            raise ValueError(f"file name {v!r} must be a plain name (no folders, not hidden)")
+        return v
+
+
+class TensorInfo(Message):
+    """Where one tensor lies in the concatenated files (from the safetensors header)."""
+
+    name: str = Field(min_length=1, max_length=1024)
+    """Tensor name."""
+    file: str = Field(min_length=1, max_length=255)
+    """File that holds it."""
+    dtype: str = Field(min_length=1, max_length=16)
+    """safetensors dtype (F32, BF16, ...)."""
+    shape: list[int]
+    """Tensor shape."""
+    offset: int = Field(ge=0)
+    """Byte offset of the tensor's data in the concatenation of all files."""
+    size: int = Field(ge=0)
+    """Bytes of the tensor's data."""
 
 
 class Manifest(Message):
-    """A weights version: layout and piece hashes, signed by the trainer."""
+    """A weights version, cut into pieces: layout and piece hashes, signed by the trainer.
+
+    Its `digest()` (hex SHA-256 of its encoding) is the manifest hash that names the
+    version everywhere: in the swarm handshake, in rollouts and in heartbeats."""
 
     step: int = Field(ge=0)
     """Trainer step (weights version)."""
     parent_step: int | None = None
     """Previous version, if any."""
-    piece_size: int = Field(ge=1)
+    piece_size: int = Field(ge=1024, le=256 * 1024 * 1024)
     """Bytes per piece (the last may be shorter)."""
     total_size: int = Field(ge=0)
     """Bytes of the concatenated files."""
-    files: dict[str, int] = {}
-    """File name -> size, in concatenation order."""
-    pieces: list[PieceInfo] = []
-    """Piece hashes in order."""
+    files: list[FileEntry] = Field(min_length=1)
+    """The files, in concatenation order."""
+    tensors: list[TensorInfo] = []
+    """Tensor layout of the safetensors files (informational: pieces are what is checked)."""
+    pieces: list[str] = []
+    """Hex SHA-256 of every piece, in order."""
+
+    @model_validator(mode="after")
+    def check_sizes_add_up(self) -> Manifest:
+        if sum(f.size for f in self.files) != self.total_size:
+            raise ValueError("total_size is not the sum of the file sizes")
+        if len({f.name for f in self.files}) != len(self.files):
+            raise ValueError("file names repeat")
+        if len(self.pieces) != self.num_pieces:
+            raise ValueError(
+                f"{len(self.pieces)} piece hashes for {self.num_pieces} pieces of "
+                f"{self.piece_size} bytes"
+            )
+        if any(len(h) != 64 for h in self.pieces):
+            raise ValueError("piece hashes must be 64 hex characters")
+        return self
+
+    @property
+    def num_pieces(self) -> int:
+        return -(-self.total_size // self.piece_size)
+
+    def piece_length(self, index: int) -> int:
+        return min(self.piece_size, self.total_size - index * self.piece_size)
+
+
+class SwarmPeer(Message):
+    """One swarm member as the tracker knows it."""
+
+    peer_id: str = Field(min_length=1, max_length=128)
+    """libp2p peer id (= node id: the same Ed25519 key)."""
+    addrs: list[str] = Field([], max_length=16)
+    """libp2p multiaddrs it listens on."""
+    complete: bool = False
+    """It holds every piece (a seed)."""
+
+
+class SwarmAnnounce(Message):
+    """Peer -> tracker (the scheduler): I take part in the swarm of this manifest."""
+
+    manifest_hash: str = Field(min_length=64, max_length=64)
+    """Manifest being downloaded or seeded."""
+    addrs: list[str] = Field([], max_length=16)
+    """libp2p multiaddrs the sender listens on (its peer id is the envelope signer)."""
+    complete: bool = False
+    """The sender holds every piece."""
+    left: int = Field(0, ge=0)
+    """Bytes the sender still lacks."""
+    stopped: bool = False
+    """The sender leaves this swarm (forget it now rather than at expiry)."""
+    want: int = Field(30, ge=0, le=200)
+    """How many other peers the sender would like to hear of."""
+
+
+class SwarmPeers(Message):
+    """Tracker -> peer: other members of the manifest's swarm (a random sample)."""
+
+    peers: list[SwarmPeer] = []
+    """Other peers, seeds first."""
+    interval_s: float = 15.0
+    """Announce again after this long (the tracker forgets peers silent for 4 intervals)."""

@@ -55,6 +55,8 @@ class LifecycleConfig(Section):
 
     heartbeat_interval_s: float = Field(10.0, gt=0, le=3600)
     """How often nodes are told to heartbeat."""
+    swarm_announce_interval_s: float = Field(15.0, gt=0, le=3600)
+    """How often swarm peers re-announce to the tracker (it forgets them after 4 intervals)."""
     unhealthy_after_s: float = Field(25.0, gt=0)
     """A node silent this long gets no new work (unhealthy)."""
     dead_after_s: float = Field(45.0, gt=0)

@@ -5,6 +5,7 @@ Routes (internal bodies are signed msgpack envelopes, see `protocol.envelope`):
 - nodes: POST /v1/nodes/register, /v1/nodes/heartbeat, /v1/nodes/deregister
 - orchestrator (trainer key only): POST /v1/rollouts/submit, /v1/rollouts/results,
   /v1/weights
+- swarm tracker (nodes and the trainer): POST /v1/swarm/announce (see `scheduler.tracker`)
 - OpenAI-compatible: GET /v1/models, POST /v1/chat/completions, /v1/completions,
   /tokenize (see `scheduler.openai_proxy`)
 - operators: GET /dashboard, GET /v1/dashboard/state, GET /metrics
@@ -53,6 +54,7 @@ from protocol.messages import (
     RolloutResult,
     SubmitAck,
     SubmitRollouts,
+    SwarmAnnounce,
     WeightUpdate,
 )
 from scheduler import db
@@ -65,6 +67,7 @@ from scheduler.openai_proxy import OpenAIProxy
 from scheduler.pool import read_pool
 from scheduler.ratelimit import RateLimited, RateLimiter
 from scheduler.registry import NodeRecord, Registry
+from scheduler.tracker import Tracker
 
 log = logging.getLogger("prime.scheduler")
 SEEN_FLUSH_S = 5.0
@@ -100,6 +103,7 @@ class SchedulerServer:
         self.openai = OpenAIProxy(self.dispatcher, self.registry, cfg.dispatch)
         self.weights_envelope = b""
         self.weights_version = 0
+        self.tracker = Tracker(cfg.lifecycle.swarm_announce_interval_s)
         self._seen_dirty: set[str] = set()
         self._tasks: list[asyncio.Task] = []
         self.replica_id = cfg.replica.replica_id or (f"{socket.gethostname()}:{cfg.server.port}")
@@ -127,6 +131,7 @@ class SchedulerServer:
                 web.post("/v1/rollouts/submit", self.submit),
                 web.post("/v1/rollouts/results", self.results),
                 web.post("/v1/weights", self.weights),
+                web.post("/v1/swarm/announce", self.swarm_announce),
                 *self.openai.routes(),
                 *dashboard_routes(self.dashboard_state),
                 *self.metrics.routes(self._refresh_gauges),
@@ -403,6 +408,16 @@ class SchedulerServer:
             for r in rows
         ]
         return self._signed(ResultsPage(results=page, last_seq=page[-1].seq if page else q.after))
+
+    async def swarm_announce(self, request: web.Request) -> web.Response:
+        """Tracker: record the sender in a weights swarm, answer with other members."""
+        opened = await self._open(request, SwarmAnnounce)
+        if opened.sender != self.trainer_key:
+            node = self._node(opened)
+            if node.state == "banned":
+                self.tracker.forget(node.node_id)
+                raise web.HTTPForbidden(text="this node is banned from the pool")
+        return self._signed(self.tracker.announce(opened.sender_id, opened.message))
 
     async def weights(self, request: web.Request) -> web.Response:
         raw = await request.read()

@@ -6,6 +6,8 @@
 - `train` / `orchestrate`: each half alone (multi-node deployments).
 - `sft`: supervised warm-up on an environment's bundled data.
 - `eval`: mean reward of whatever serves an OpenAI-compatible endpoint.
+- `publish`: sign and seed a file or weights folder over the swarm by hand (link tests;
+  `prime-node fetch` is the other end).
 
 Every command takes `@ file.toml` and `--section.key value` flags (protocol.config) and
 writes its resolved config into `<run_dir>/configs/`.
@@ -13,6 +15,7 @@ writes its resolved config into `<run_dir>/configs/`.
 
 from __future__ import annotations
 
+import contextlib
 import json
 from pathlib import Path
 
@@ -121,6 +124,48 @@ def evaluate(ctx: typer.Context) -> None:
     console.print(
         f"{cfg.env.id}: mean reward {result['reward_mean']:.3f} over {len(rewards)} episodes"
     )
+
+
+@app.command(context_settings=EXTRA)
+def publish(ctx: typer.Context) -> None:
+    """Sign and seed a file or folder: prime-trainer publish --source weights/step_3"""
+    import time
+
+    from protocol.identity import Identity
+    from protocol.swarm.follow import follow
+    from protocol.swarm.host import SwarmHost
+    from protocol.swarm.manifest import MANIFEST_FILE, build_manifest, sign_manifest
+    from trainer.config import PublishConfig
+
+    cfg = load_config_or_exit(PublishConfig, ctx.args)
+    setup_logging()
+    identity = Identity.load_or_create(cfg.trainer_key)
+    source = cfg.source.resolve()
+    with console.status(f"hashing {source}"):
+        manifest = build_manifest(source, cfg.step, cfg.swarm.piece_size)
+    envelope = sign_manifest(identity, manifest)
+    out = cfg.manifest_out or (
+        source.with_name(source.name + ".manifest") if source.is_file() else source / MANIFEST_FILE
+    )
+    out.write_bytes(envelope)
+    folder = source.parent if source.is_file() else source
+    with SwarmHost(identity, cfg.swarm, {identity.public_key}) as host:
+        digest = host.seed(envelope, folder)
+        console.print(
+            f"seeding step {cfg.step}: {manifest.total_size / 2**20:.1f} MiB in "
+            f"{manifest.num_pieces} pieces, manifest {digest[:16]} written to {out}\n"
+            f"fetch with: prime-node fetch --manifest {out} --trusted_key {identity.node_id} "
+            f"--peers '{json.dumps(host.addrs)}'"
+        )
+        stop_at = time.time() + cfg.seed_for_s if cfg.seed_for_s else float("inf")
+        with contextlib.suppress(KeyboardInterrupt):
+            follow(
+                host,
+                digest,
+                until=lambda _: time.time() > stop_at,
+                status_file=cfg.status_file,
+                show_progress=cfg.progress,
+            )
 
 
 @app.command()

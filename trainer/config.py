@@ -18,6 +18,7 @@ from typing import Any, Literal
 from pydantic import Field, field_validator, model_validator
 
 from protocol.config import PrimeSettings, Section
+from protocol.swarm.config import SwarmConfig
 from verifier.models import check_model_name
 
 
@@ -109,11 +110,16 @@ class CheckpointConfig(Section):
 class WeightsConfig(Section):
     """How each new policy reaches the workers (DESIGN.md section 2, step 8)."""
 
-    transport: Literal["filesystem"] = "filesystem"
+    transport: Literal["filesystem", "swarm"] = "filesystem"
     """'filesystem': a shared folder with a stable marker per step (single machine or a
-    shared filesystem); the peer-to-peer swarm plugs into the same interface."""
+    shared filesystem). 'swarm': the trainer cuts each step into pieces under a signed
+    manifest and seeds it over libp2p; workers fetch pieces from each other."""
     keep_last: int = Field(3, ge=1)
     """Weight versions kept on disk beyond what async_level still needs."""
+    swarm: SwarmConfig = SwarmConfig()
+    """The trainer's swarm peer (swarm transport): listen address, upload cap, piece size."""
+    trainer_key: Path = Path("keys/trainer.key")
+    """Key that signs swarm manifests: the pool's trainer key (swarm transport)."""
 
 
 class MonitorConfig(Section):
@@ -309,7 +315,7 @@ class RLConfig(RunSettings):
         return self.monitor.model_copy(update={"progress": False, "plot": False})
 
     def trainer_config(self) -> TrainerConfig:
-        t = self.trainer
+        t, o_key = self.trainer, self.orchestrator.trainer_key
         return TrainerConfig(
             run_dir=self.run_dir,
             seed=self.seed,
@@ -318,7 +324,8 @@ class RLConfig(RunSettings):
             optim=t.optim,
             loss=t.loss,
             ckpt=self.ckpt,
-            weights=self.weights,
+            # One trainer key for the run: the orchestrator's signs updates, this one manifests.
+            weights=self.weights.model_copy(update={"trainer_key": o_key}),
             max_steps=self.max_steps,
             async_level=self.async_level,
             micro_batch_tokens=t.micro_batch_tokens,
@@ -383,3 +390,33 @@ class EvalConfig(RunSettings):
     """Prompts evaluated."""
     rollouts_per_example: int = Field(1, ge=1)
     """Samples per prompt."""
+
+
+class PublishConfig(PrimeSettings):
+    """`prime-trainer publish`: cut a file or a weights folder into pieces, sign the
+    manifest with the trainer key and seed it until stopped (for testing links)."""
+
+    source: Path
+    """A file, a weights folder (e.g. `<run_dir>/weights/step_3`) or an HF model folder."""
+    step: int = Field(0, ge=0)
+    """Version number written into the manifest."""
+    trainer_key: Path = Path("keys/trainer.key")
+    """Key that signs the manifest (workers trust only the pool's trainer key)."""
+    manifest_out: Path | None = None
+    """Where to write the signed manifest (default: `<folder>/.manifest`, or
+    `<file>.manifest` for a single file)."""
+    swarm: SwarmConfig = SwarmConfig()
+    """The seeding peer: listen address, upload cap, piece size."""
+    status_file: Path | None = None
+    """Rewrite this JSON file with the seed's counters every half second."""
+    seed_for_s: float = Field(0.0, ge=0.0)
+    """Stop after this many seconds (0: until interrupted)."""
+    progress: bool = True
+    """Show a progress bar."""
+
+    @field_validator("source")
+    @classmethod
+    def check_source_exists(cls, v: Path) -> Path:
+        if not v.exists():
+            raise ValueError(f"{v} does not exist")
+        return v

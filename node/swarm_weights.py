@@ -1,0 +1,159 @@
+"""A worker's side of the weight swarm: fetch each announced version from peers, load it
+into the engine between requests, keep seeding it to the others.
+
+`SwarmWeights.want(update)` is called with a trainer-signed `WeightUpdate` that carries a
+manifest (pushed by the scheduler, or relayed in a heartbeat answer). It starts one
+background fetch per version: the tracker (the scheduler) names the other members, the
+update names the trainer's seed. A node that finds complete peers at the tracker leaves
+the trainer alone unless those peers stall (`seeder_fallback_s`).
+
+Invariants:
+- Nothing is fetched unless the pool's trainer key signed the manifest and the update
+  names the same hash; every piece is hash-checked before it is stored or served
+  (`protocol.swarm`), so the engine only ever loads bytes the trainer published.
+- The engine loads a version only when it is newer than the one it serves; the swap runs
+  on the engine thread, between batches (hot swap, no restart).
+- The newest `keep_versions` versions stay on disk and seeded; older ones are removed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import shutil
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+
+from protocol.identity import Identity
+from protocol.messages import SwarmAnnounce, WeightUpdate
+from protocol.swarm.config import SwarmConfig
+from protocol.swarm.host import SwarmHost
+from protocol.swarm.manifest import open_manifest
+from protocol.swarm.tracker import TrackerClient, dial_addrs
+
+log = logging.getLogger("prime.node.swarm")
+
+
+class SwarmWeights:
+    def __init__(
+        self,
+        identity: Identity,
+        cfg: SwarmConfig,
+        trusted: set[bytes],
+        folder: Path,
+        load: Callable[[WeightUpdate], Awaitable[None]],
+        current_version: Callable[[], int],
+        keep_versions: int = 3,
+        seeder_fallback_s: float = 10.0,
+        announce_interval_s: float = 15.0,
+    ):
+        self.identity = identity
+        self.cfg = cfg
+        self.trusted = trusted
+        self.folder = Path(folder).expanduser()
+        self.load = load
+        self.current_version = current_version
+        self.keep_versions = keep_versions
+        self.seeder_fallback_s = seeder_fallback_s
+        self.announce_interval_s = announce_interval_s
+        self.host = SwarmHost(identity, cfg, trusted)
+        self.tracker: TrackerClient | None = None
+        self.on_loaded: Callable[[], None] = lambda: None
+        self.tasks: dict[str, asyncio.Task] = {}  # manifest hash -> fetch-and-load
+        self.versions: dict[str, int] = {}  # manifest hash -> step, fetched or fetching
+
+    def start(self) -> None:
+        self.folder.mkdir(parents=True, exist_ok=True)
+        self.host.start()
+        log.info("swarm peer %s listening on %s", self.host.peer_id, ", ".join(self.host.addrs))
+
+    async def close(self) -> None:
+        for t in self.tasks.values():
+            t.cancel()
+        for t in self.tasks.values():
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await t
+        await asyncio.to_thread(self.host.close)
+
+    def want(self, update: WeightUpdate) -> bool:
+        """Start fetching the update's version (once per manifest); True if it started."""
+        manifest = open_manifest(update.manifest, self.trusted)
+        digest = manifest.digest()
+        if manifest.step != update.version or update.weights_hash not in ("", digest):
+            raise ValueError("the update's version or hash does not match its manifest")
+        if digest in self.tasks or manifest.step <= self.current_version():
+            return False
+        self.versions[digest] = manifest.step
+        self.tasks[digest] = asyncio.create_task(self._fetch_and_load(update, digest))
+        return True
+
+    async def _announce(self, digest: str, complete: bool, left: int) -> list[tuple[str, bool]]:
+        """Tell the tracker; returns (address, complete) of the other members."""
+        if self.tracker is None:
+            return []
+        msg = SwarmAnnounce(
+            manifest_hash=digest, addrs=self.host.addrs, complete=complete, left=left
+        )
+        try:
+            answer = await self.tracker.announce(msg)
+        except Exception as exc:  # the tracker is a help, not a dependency
+            log.info("tracker announce failed: %s", exc)
+            return []
+        return [(a, p.complete) for p in answer.peers for a in dial_addrs(p)]
+
+    async def _fetch_and_load(self, update: WeightUpdate, digest: str) -> None:
+        manifest = open_manifest(update.manifest, self.trusted)
+        dest = self.folder / f"step_{manifest.step}_{digest[:12]}"
+        loop = asyncio.get_running_loop()
+        started = loop.time()
+        members = await self._announce(digest, False, manifest.total_size)
+        seeded_by_peers = any(complete for _, complete in members)
+        first = [a for a, _ in members] + ([] if seeded_by_peers else list(update.seeders))
+        future = self.host.fetch(update.manifest, dest, first)
+        done = asyncio.wrap_future(future)
+        trainer_added = not seeded_by_peers
+        last_have, last_progress = 0, loop.time()
+        next_announce = loop.time() + self.announce_interval_s
+        while not done.done():
+            await asyncio.wait([done], timeout=1.0)
+            if done.done():
+                break
+            status = await asyncio.to_thread(self.host.status, digest)
+            if status is None:
+                break
+            if status.have > last_have:
+                last_have, last_progress = status.have, loop.time()
+            if not trainer_added and loop.time() - last_progress > self.seeder_fallback_s:
+                log.info("peers stalled on step %d: asking the trainer's seed", manifest.step)
+                await asyncio.to_thread(self.host.add_peers, digest, list(update.seeders))
+                trainer_added = True
+            if loop.time() > next_announce:
+                next_announce = loop.time() + self.announce_interval_s
+                more = await self._announce(digest, False, status.left)
+                if more:
+                    await asyncio.to_thread(self.host.add_peers, digest, [a for a, _ in more])
+        path = await done
+        log.info(
+            "step %d fetched in %.1f s into %s", manifest.step, loop.time() - started, path.name
+        )
+        await self._announce(digest, True, 0)
+        if manifest.step > self.current_version():
+            await self.load(
+                WeightUpdate(version=manifest.step, path=str(path), weights_hash=digest)
+            )
+            self.on_loaded()
+        await self._forget_old()
+
+    async def _forget_old(self) -> None:
+        newest = sorted(self.versions.items(), key=lambda kv: kv[1], reverse=True)
+        for digest, step in newest[self.keep_versions :]:
+            task = self.tasks.pop(digest, None)
+            if task is not None and not task.done():
+                continue  # still fetching: not old yet
+            self.versions.pop(digest, None)
+            status = await asyncio.to_thread(self.host.status, digest)
+            await asyncio.to_thread(self.host.remove, digest)
+            if status is not None:
+                shutil.rmtree(status.folder, ignore_errors=True)
+            log.info("dropped weights of step %d", step)
