@@ -46,8 +46,9 @@ def serve(ctx: typer.Context) -> None:
     from node.config import NodeConfig
     from node.engines import create_engine
     from node.server import NodeServer
+    from node.swarm_weights import SwarmWeights
     from node.worker import Worker
-    from protocol.identity import Identity
+    from protocol.identity import Identity, public_key_from_node_id
 
     cfg = _config(NodeConfig, ctx.args)
     setup_logging()
@@ -64,6 +65,7 @@ def serve(ctx: typer.Context) -> None:
         max_model_len=cfg.engine.max_model_len,
         pool_id=cfg.pool_id,
     )
+    trusted = {public_key_from_node_id(k) for k in cfg.trusted_keys}
     server = NodeServer(
         worker,
         model_name=cfg.server.served_model_name or cfg.engine.model,
@@ -71,6 +73,7 @@ def serve(ctx: typer.Context) -> None:
         max_body_bytes=cfg.server.max_body_bytes,
         max_concurrent=cfg.server.max_concurrent_requests,
         rollout_cache_size=cfg.server.rollout_cache_size,
+        swarm=SwarmWeights.from_config(identity, cfg.weights, trusted),
     )
     console.print(
         f"node [bold]{identity.node_id}[/bold] serving {cfg.engine.model} "

@@ -83,6 +83,24 @@ class ServerConfig(Section):
     """Model name shown on /v1/models ('' = the engine's model setting)."""
 
 
+class NodeWeightsConfig(Section):
+    """How this node receives new weights by manifest (the swarm transport)."""
+
+    swarm: bool = True
+    """Run a libp2p swarm peer (needed to take weights from a trainer that publishes by
+    manifest; a node without one refuses such updates)."""
+    folder: Path = Path("~/.prime-swarm/weights")
+    """Downloads go to `<folder>/<node id>/step_<n>_<hash>/` (per node: several nodes may
+    share a machine)."""
+    keep_versions: int = Field(3, ge=1, le=64)
+    """Versions kept on disk and seeded to others; older ones are deleted."""
+    seeder_fallback_s: float = Field(10.0, gt=0)
+    """A node that found complete peers at the tracker asks the trainer's seed only if
+    those peers have given it nothing for this long."""
+    peer: SwarmConfig = SwarmConfig()
+    """The swarm peer: listen address, upload and download caps, upload slots."""
+
+
 class NodeConfig(PrimeSettings):
     """A worker node."""
 
@@ -98,6 +116,8 @@ class NodeConfig(PrimeSettings):
     """Node ids allowed to send signed weight updates (the pool's trainer key)."""
     pool_id: str = "local"
     """Pool this node serves."""
+    weights: NodeWeightsConfig = NodeWeightsConfig()
+    """Receiving weights by manifest over the swarm."""
     log_dir: Path = Path("runs/node/logs")
     """Where the resolved config and logs go."""
 
@@ -158,6 +178,8 @@ class JoinConfig(PrimeSettings):
     """HTTP server (port 0 picks a free one)."""
     key_file: Path = Path("~/.prime-swarm/node.key")
     """Ed25519 key file; created with mode 0600 on first start."""
+    weights: NodeWeightsConfig = NodeWeightsConfig()
+    """Receiving weights by manifest over the swarm (the scheduler is the tracker)."""
     log_dir: Path = Path("runs/node/logs")
     """Where the resolved config and logs go."""
 

@@ -220,6 +220,7 @@ class PoolNode:
         # scheduler may have admitted the node even if its answer never arrived).
         self.register_sent = False
         self.current = 0  # index into cfg.scheduler_urls
+        self.wake = asyncio.Event()  # set to send the next heartbeat now (new weights loaded)
 
     def _url(self, route: str) -> str:
         return f"{self.cfg.scheduler_urls[self.current]}{route}"
@@ -262,7 +263,9 @@ class PoolNode:
     async def _start_server(self) -> None:
         from node.engines import create_engine
         from node.server import NodeServer
+        from node.swarm_weights import SwarmWeights
         from node.worker import Worker
+        from protocol.swarm.tracker import TrackerClient
 
         cfg, pool = self.cfg, self.pool
         assert pool is not None
@@ -294,7 +297,13 @@ class PoolNode:
             max_concurrent=cfg.server.max_concurrent_requests,
             rollout_cache_size=cfg.server.rollout_cache_size,
             callers=set(),  # nobody may send work until the scheduler is known
+            swarm=SwarmWeights.from_config(self.identity, cfg.weights, {pool.trainer_public_key}),
         )
+        if self.server.swarm is not None:  # the scheduler is the swarm's tracker
+            self.server.swarm.tracker = TrackerClient(
+                self.session, lambda: self.cfg.scheduler_urls[self.current], self.identity
+            )
+            self.server.swarm.on_loaded = self.beat_now
         # A short grace on shutdown: the drain already waited for in-flight work.
         self.runner = web.AppRunner(self.server.app(), access_log=None, shutdown_timeout=5.0)
         await self.runner.setup()
@@ -437,9 +446,14 @@ class PoolNode:
                     failures,
                 )
                 self._next_scheduler()
-            await asyncio.sleep(
-                self.interval if failures == 0 else _backoff(failures - 1, self.interval)
-            )
+            delay = self.interval if failures == 0 else _backoff(failures - 1, self.interval)
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self.wake.wait(), delay)
+            self.wake.clear()
+
+    def beat_now(self) -> None:
+        """Heartbeat at once (the scheduler should learn of new weights without delay)."""
+        self.wake.set()
 
     async def _deregister(self, stage: str) -> NodeAck:
         url = self._url("/v1/nodes/deregister")

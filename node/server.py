@@ -19,7 +19,9 @@ Invariants: every bad input (malformed JSON or msgpack, oversized body, wrong ty
 line, and the server keeps serving; signed routes reject a replayed nonce; requests past
 `max_concurrent_requests` get 503 instead of queueing without bound; weights are loaded
 only under a trusted signature, through one function (`load_weights`), whether they come
-from the trainer's push or relayed by the scheduler (`load_relayed_weights`).
+from the trainer's push or relayed by the scheduler (`load_relayed_weights`); an update
+that carries a swarm manifest is fetched from peers first (`node.swarm_weights`) and
+loaded when every piece is in and checked.
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ import logging
 import os
 import uuid
 from collections import OrderedDict
+from typing import TYPE_CHECKING
 
 from aiohttp import web
 
@@ -46,6 +49,9 @@ from protocol.http import MSGPACK, error_middleware, read_json
 from protocol.identity import public_key_from_node_id
 from protocol.messages import MAX_SEED, RolloutRequest, VerifyRequest, WeightReload, WeightUpdate
 
+if TYPE_CHECKING:
+    from node.swarm_weights import SwarmWeights
+
 log = logging.getLogger("prime.node.server")
 
 
@@ -60,6 +66,7 @@ class NodeServer:
         max_concurrent: int,
         rollout_cache_size: int,
         callers: set[bytes] | None = None,
+        swarm: SwarmWeights | None = None,
     ):
         self.worker = worker
         self.model_name = model_name
@@ -72,6 +79,10 @@ class NodeServer:
         self.rollouts: OrderedDict[str, bytes] = OrderedDict()
         self.rollout_cache_size = rollout_cache_size
         self.weights_path: str | None = None
+        self.swarm = swarm
+        if swarm is not None:
+            swarm.load = self.load_weights
+            swarm.current_version = lambda: worker.engine.weights_version
         # Requests holding a slot (queued for the engine or being answered): a drain waits on it.
         self.in_flight = 0
 
@@ -100,8 +111,12 @@ class NodeServer:
 
     async def _on_startup(self, _app) -> None:
         self.worker.start()
+        if self.swarm is not None:
+            await asyncio.to_thread(self.swarm.start)
 
     async def _on_cleanup(self, _app) -> None:
+        if self.swarm is not None:
+            await self.swarm.close()
         await self.worker.stop()
 
     # -- helpers -------------------------------------------------------------------
@@ -294,8 +309,20 @@ class NodeServer:
             and update.weights_hash in ("", engine.weights_hash)
         ):
             return False
-        await self.load_weights(update)
-        return True
+        return await self.apply_update(update)
+
+    async def apply_update(self, update: WeightUpdate) -> bool:
+        """Load a trainer-signed update (filesystem) or start fetching it (swarm: the
+        engine swaps when the pieces are in); True if something started."""
+        if not update.manifest:
+            await self.load_weights(update)
+            return True
+        if self.swarm is None:
+            raise RequestRejected("this node runs no swarm peer: it cannot fetch by manifest")
+        try:
+            return self.swarm.want(update)
+        except ValueError as exc:
+            raise RequestRejected(f"weights update refused: {exc}") from exc
 
     def _weights_response(self) -> web.Response:
         engine = self.worker.engine
@@ -311,7 +338,7 @@ class NodeServer:
             trusted_senders=self.trusted,
             max_bytes=self.max_body_bytes,
         )
-        await self.load_weights(opened.message)
+        await self.apply_update(opened.message)
         return self._weights_response()
 
     async def weights_reload(self, request: web.Request) -> web.Response:

@@ -25,6 +25,7 @@ import shutil
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 
+from node.config import NodeWeightsConfig
 from protocol.identity import Identity
 from protocol.messages import SwarmAnnounce, WeightUpdate
 from protocol.swarm.config import SwarmConfig
@@ -42,8 +43,6 @@ class SwarmWeights:
         cfg: SwarmConfig,
         trusted: set[bytes],
         folder: Path,
-        load: Callable[[WeightUpdate], Awaitable[None]],
-        current_version: Callable[[], int],
         keep_versions: int = 3,
         seeder_fallback_s: float = 10.0,
         announce_interval_s: float = 15.0,
@@ -52,8 +51,9 @@ class SwarmWeights:
         self.cfg = cfg
         self.trusted = trusted
         self.folder = Path(folder).expanduser()
-        self.load = load
-        self.current_version = current_version
+        # Wired by the NodeServer that owns this peer: swap weights in, read the version.
+        self.load: Callable[[WeightUpdate], Awaitable[None]] | None = None
+        self.current_version: Callable[[], int] = lambda: 0
         self.keep_versions = keep_versions
         self.seeder_fallback_s = seeder_fallback_s
         self.announce_interval_s = announce_interval_s
@@ -62,6 +62,22 @@ class SwarmWeights:
         self.on_loaded: Callable[[], None] = lambda: None
         self.tasks: dict[str, asyncio.Task] = {}  # manifest hash -> fetch-and-load
         self.versions: dict[str, int] = {}  # manifest hash -> step, fetched or fetching
+
+    @classmethod
+    def from_config(
+        cls, identity: Identity, cfg: NodeWeightsConfig, trusted: set[bytes]
+    ) -> SwarmWeights | None:
+        """The node's swarm peer as configured (None when the swarm is switched off)."""
+        if not cfg.swarm:
+            return None
+        return cls(
+            identity,
+            cfg.peer,
+            trusted,
+            cfg.folder.expanduser() / identity.node_id,
+            keep_versions=cfg.keep_versions,
+            seeder_fallback_s=cfg.seeder_fallback_s,
+        )
 
     def start(self) -> None:
         self.folder.mkdir(parents=True, exist_ok=True)
@@ -138,7 +154,7 @@ class SwarmWeights:
             "step %d fetched in %.1f s into %s", manifest.step, loop.time() - started, path.name
         )
         await self._announce(digest, True, 0)
-        if manifest.step > self.current_version():
+        if manifest.step > self.current_version() and self.load is not None:
             await self.load(
                 WeightUpdate(version=manifest.step, path=str(path), weights_hash=digest)
             )

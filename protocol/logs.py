@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import sys
 
 
@@ -24,7 +25,9 @@ class JsonFormatter(logging.Formatter):
         return json.dumps(entry)
 
 
-def setup_logging(level: str = "INFO") -> None:
+def setup_logging(level: str | None = None) -> None:
+    """JSON lines on stderr at `level` (default: $PRIME_LOG_LEVEL, else INFO)."""
+    level = level or os.environ.get("PRIME_LOG_LEVEL", "INFO").upper()
     handler = logging.StreamHandler(sys.stderr)
     handler.setFormatter(JsonFormatter())
     logging.basicConfig(level=level, handlers=[handler], force=True)

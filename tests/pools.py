@@ -137,6 +137,8 @@ class Pool:
             str(port),
             "--operator",
             operator or name,
+            "--weights.folder",
+            str(self.workdir / "weights"),
             *args,
         ]
         child = ManagedProcess.start(

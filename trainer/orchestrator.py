@@ -89,7 +89,7 @@ class Orchestrator:
             )
         self.env = load_environment(cfg.env)
         self.dataset = self.env.get_dataset()
-        self.transport = make_transport(cfg.weights.transport, cfg.run_dir, cfg.weights.keep_last)
+        self.transport = make_transport(cfg.weights, cfg.run_dir)
         self.verdicts: dict[str, Verdict] = {}
         self.verdict_event = asyncio.Event()
         self.cursor = 0

@@ -234,7 +234,7 @@ class Trainer:
 
     def run(self) -> None:
         cfg = self.cfg
-        transport = make_transport(cfg.weights.transport, cfg.run_dir, cfg.weights.keep_last)
+        transport = make_transport(cfg.weights, cfg.run_dir)
         if cfg.ckpt.resume and (last := latest_checkpoint(cfg.run_dir)) is not None:
             self.load_checkpoint(last)
             if self.rank == 0:

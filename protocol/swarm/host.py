@@ -114,8 +114,12 @@ class SwarmHost:
             muxer_preference="YAMUX",
             listen_addrs=listen,
             announce_addrs=[multiaddr.Multiaddr(a) for a in cfg.announce_addrs] or None,
+            # No auto-dialing to keep a connection count: torrents dial whom they need.
             connection_config=ConnectionConfig(
-                max_connections=cfg.max_connections, min_connections=1
+                max_connections=cfg.max_connections,
+                min_connections=0,
+                low_watermark=0,
+                high_watermark=cfg.max_connections,
             ),
         )
         if str(host.get_id()) != self.peer_id:

@@ -12,7 +12,8 @@ Invariants:
   peers that gave it the most bytes since the last re-choke (plus optimistic slots for
   random peers), a seed to the peers it has sent the least, so pieces spread evenly.
 - A request unanswered for `request_timeout_s`, or owed by a peer that choked us or
-  left, goes back to the picker; the download finishes from whoever remains.
+  left, goes back to the picker; the download finishes from whoever remains; known peers
+  that could not be reached are dialed again every `REDIAL_S`.
 - With `share` off the torrent uploads to nobody unless it is a seed (star topology).
 """
 
@@ -44,6 +45,7 @@ from protocol.swarm.wire import (
 )
 
 log = logging.getLogger("prime.swarm")
+REDIAL_S = 5.0  # a peer that could not be dialed (or left) is tried again after this
 
 
 @dataclass
@@ -190,6 +192,7 @@ class Torrent:
         self.sessions: dict[str, Session] = {}
         self.known: dict[str, list[str]] = {}  # peer id -> addrs, from tracker and PEX
         self.dialing: set[str] = set()
+        self.last_dial: dict[str, float] = {}  # peer id -> monotonic time of the last dial
         self.stats: dict[str, PeerStats] = {}
         self.bad_pieces = 0
         self.errors: list[str] = []
@@ -255,15 +258,20 @@ class Torrent:
         # A seed waits to be dialed: downloaders need it, it needs nobody.
         if self.complete:
             return
+        now = time.monotonic()
         candidates = [
             p
             for p in self.known
-            if p not in self.sessions and p not in self.dialing and p not in self.banned
+            if p not in self.sessions
+            and p not in self.dialing
+            and p not in self.banned
+            and now - self.last_dial.get(p, -REDIAL_S) >= REDIAL_S
         ]
         self._rng.shuffle(candidates)
         room = self.cfg.max_peers - len(self.sessions) - len(self.dialing)
         for pid in candidates[: max(room, 0)]:
             self.dialing.add(pid)
+            self.last_dial[pid] = now
             self.nursery.start_soon(self._dial_one, pid)
 
     async def _dial_one(self, pid: str) -> None:
@@ -438,6 +446,7 @@ class Torrent:
                     s.send(Msg(Kind.CANCEL, i))
             if not self.complete:
                 self._request_all()
+                self._dial_more()  # peers that failed or left may be back
 
     # -- choking ---------------------------------------------------------------------
     @property
