@@ -26,7 +26,7 @@ from collections.abc import Awaitable, Callable
 from pathlib import Path
 
 from node.config import NodeWeightsConfig
-from protocol.identity import Identity
+from protocol.identity import Identity, node_id_from_public_key
 from protocol.messages import SwarmAnnounce, WeightUpdate
 from protocol.swarm.config import SwarmConfig
 from protocol.swarm.host import SwarmHost
@@ -61,6 +61,7 @@ class SwarmWeights:
         self.tracker: TrackerClient | None = None
         self.on_loaded: Callable[[], None] = lambda: None
         self.tasks: dict[str, asyncio.Task] = {}  # manifest hash -> fetch-and-load
+        self._announcer: asyncio.Task | None = None
         self.versions: dict[str, int] = {}  # manifest hash -> step, fetched or fetching
 
     @classmethod
@@ -85,9 +86,10 @@ class SwarmWeights:
         log.info("swarm peer %s listening on %s", self.host.peer_id, ", ".join(self.host.addrs))
 
     async def close(self) -> None:
-        for t in self.tasks.values():
+        tasks = [*self.tasks.values(), *([self._announcer] if self._announcer else [])]
+        for t in tasks:
             t.cancel()
-        for t in self.tasks.values():
+        for t in tasks:
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await t
         await asyncio.to_thread(self.host.close)
@@ -102,41 +104,57 @@ class SwarmWeights:
             return False
         self.versions[digest] = manifest.step
         self.tasks[digest] = asyncio.create_task(self._fetch_and_load(update, digest))
+        if self._announcer is None:
+            self._announcer = asyncio.create_task(self._announce_forever())
         return True
 
-    async def _announce(self, digest: str, complete: bool, left: int) -> list[tuple[str, bool]]:
-        """Tell the tracker; returns (address, complete) of the other members."""
-        if self.tracker is None:
+    async def _announce(self, digest: str) -> list[tuple[str, bool]]:
+        """Tell the tracker where this node stands on `digest`; returns the (address,
+        complete) of other members, and adds them to the torrent."""
+        status = await asyncio.to_thread(self.host.status, digest)
+        if self.tracker is None or status is None:
             return []
         msg = SwarmAnnounce(
-            manifest_hash=digest, addrs=self.host.addrs, complete=complete, left=left
+            manifest_hash=digest, addrs=self.host.addrs, complete=status.complete, left=status.left
         )
         try:
             answer = await self.tracker.announce(msg)
         except Exception as exc:  # the tracker is a help, not a dependency
             log.info("tracker announce failed: %s", exc)
             return []
-        return [(a, p.complete) for p in answer.peers for a in dial_addrs(p)]
+        self.announce_interval_s = answer.interval_s
+        members = [(a, p.complete) for p in answer.peers for a in dial_addrs(p)]
+        if members and not status.complete:
+            await asyncio.to_thread(self.host.add_peers, digest, [a for a, _ in members])
+        return members
+
+    async def _announce_forever(self) -> None:
+        """Keep the tracker's entries of every version held or fetched alive."""
+        while True:
+            await asyncio.sleep(self.announce_interval_s)
+            for digest in list(self.versions):
+                await self._announce(digest)
 
     async def _fetch_and_load(self, update: WeightUpdate, digest: str) -> None:
         manifest = open_manifest(update.manifest, self.trusted)
         dest = self.folder / f"step_{manifest.step}_{digest[:12]}"
         loop = asyncio.get_running_loop()
         started = loop.time()
-        members = await self._announce(digest, False, manifest.total_size)
+        # The trainer's seed is dialed only when no peer holds the whole version yet, or when
+        # those that do stall; never because another peer mentioned it.
+        trainer_ids = {node_id_from_public_key(k) for k in self.trusted}
+        future = self.host.fetch(update.manifest, dest, [], spare=trainer_ids)
+        members = await self._announce(digest)
         seeded_by_peers = any(complete for _, complete in members)
-        first = [a for a, _ in members] + ([] if seeded_by_peers else list(update.seeders))
-        future = self.host.fetch(update.manifest, dest, first)
+        if not seeded_by_peers:
+            await asyncio.to_thread(self.host.add_peers, digest, list(update.seeders))
         done = asyncio.wrap_future(future)
         trainer_added = not seeded_by_peers
         last_have, last_progress = 0, loop.time()
-        next_announce = loop.time() + self.announce_interval_s
         while not done.done():
             await asyncio.wait([done], timeout=1.0)
-            if done.done():
-                break
             status = await asyncio.to_thread(self.host.status, digest)
-            if status is None:
+            if done.done() or status is None:
                 break
             if status.have > last_have:
                 last_have, last_progress = status.have, loop.time()
@@ -144,16 +162,11 @@ class SwarmWeights:
                 log.info("peers stalled on step %d: asking the trainer's seed", manifest.step)
                 await asyncio.to_thread(self.host.add_peers, digest, list(update.seeders))
                 trainer_added = True
-            if loop.time() > next_announce:
-                next_announce = loop.time() + self.announce_interval_s
-                more = await self._announce(digest, False, status.left)
-                if more:
-                    await asyncio.to_thread(self.host.add_peers, digest, [a for a, _ in more])
         path = await done
         log.info(
             "step %d fetched in %.1f s into %s", manifest.step, loop.time() - started, path.name
         )
-        await self._announce(digest, True, 0)
+        await self._announce(digest)
         if manifest.step > self.current_version() and self.load is not None:
             await self.load(
                 WeightUpdate(version=manifest.step, path=str(path), weights_hash=digest)

@@ -20,7 +20,7 @@ import concurrent.futures
 import contextlib
 import logging
 import threading
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterable
 from pathlib import Path
 from typing import TypeVar
 
@@ -173,11 +173,12 @@ class SwarmHost:
         return self._call(go)
 
     def fetch(
-        self, envelope: bytes, dest: Path, peers: list[str] = ()
+        self, envelope: bytes, dest: Path, peers: list[str] = (), spare: Iterable[str] = ()
     ) -> concurrent.futures.Future[Path]:
         """Download the version into `dest` (resuming a `.partial` left there), starting
-        from `peers` (multiaddrs with /p2p/); the future gives the finished folder. The
-        torrent keeps seeding afterwards until `remove`."""
+        from `peers` (multiaddrs with /p2p/); the future gives the finished folder. Peer ids
+        in `spare` (the trainer's) are dialed only when named here or in `add_peers`, never
+        on peer exchange alone. The torrent keeps seeding afterwards until `remove`."""
         manifest = open_manifest(envelope, self.trusted)
         digest = manifest.digest()
         parsed = _parse_peers(peers)
@@ -187,6 +188,7 @@ class SwarmHost:
             if t is None:
                 store = await trio.to_thread.run_sync(PieceStore.download, Path(dest), manifest)
                 t = await self._add(manifest, envelope, store)
+            t.spare |= set(spare)
             t.add_peers(parsed)
             return t
 
@@ -199,7 +201,8 @@ class SwarmHost:
         return self._submit(wait)
 
     def add_peers(self, manifest_hash: str, peers: list[str]) -> None:
-        """Tell a torrent of more peers (tracker answers); unknown hashes are ignored."""
+        """Tell a torrent of more peers to dial (tracker answers, a fallback seed); unknown
+        hashes are ignored."""
         parsed = _parse_peers(peers)
 
         async def go() -> None:

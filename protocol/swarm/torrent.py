@@ -192,6 +192,7 @@ class Torrent:
         self.sessions: dict[str, Session] = {}
         self.known: dict[str, list[str]] = {}  # peer id -> addrs, from tracker and PEX
         self.dialing: set[str] = set()
+        self.spare: set[str] = set()  # not dialed on peer exchange alone (the trainer's seed)
         self.last_dial: dict[str, float] = {}  # peer id -> monotonic time of the last dial
         self.stats: dict[str, PeerStats] = {}
         self.bad_pieces = 0
@@ -244,10 +245,14 @@ class Torrent:
         if self.nursery is not None:
             self.nursery.cancel_scope.cancel()
 
-    def add_peers(self, peers: list[tuple[str, list[str]]]) -> None:
-        """Learn of peers (tracker, PEX, seeders) and dial some while below `max_peers`."""
+    def add_peers(self, peers: list[tuple[str, list[str]]], direct: bool = True) -> None:
+        """Learn of peers and dial some while below `max_peers`. `direct`: named by the
+        caller (tracker, seeders); otherwise heard of by peer exchange, and then the
+        `spare` peers (the trainer) are left alone."""
         for pid, addrs in peers:
             if pid == self.my_id or pid in self.banned or not addrs:
+                continue
+            if not direct and pid in self.spare and pid not in self.known:
                 continue
             self.known[pid] = addrs
         self._dial_more()
@@ -366,7 +371,7 @@ class Torrent:
             if not s.am_choking:
                 self._choke(s)
         elif k == Kind.PEERS:
-            self.add_peers(msg.peers[:200])
+            self.add_peers(msg.peers[:200], direct=False)
         else:
             raise WireError(f"unexpected {k.name} after the handshake")
 
