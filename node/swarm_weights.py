@@ -103,7 +103,7 @@ class SwarmWeights:
         if digest in self.tasks or manifest.step <= self.current_version():
             return False
         self.versions[digest] = manifest.step
-        self.tasks[digest] = asyncio.create_task(self._fetch_and_load(update, digest))
+        self.tasks[digest] = asyncio.create_task(self._guarded(update, digest))
         if self._announcer is None:
             self._announcer = asyncio.create_task(self._announce_forever())
         return True
@@ -134,6 +134,17 @@ class SwarmWeights:
             await asyncio.sleep(self.announce_interval_s)
             for digest in list(self.versions):
                 await self._announce(digest)
+
+    async def _guarded(self, update: WeightUpdate, digest: str) -> None:
+        """Fetch and load; on failure log it and forget the attempt, so the next offer of
+        the same update (a heartbeat relays it until the node reports it) starts over."""
+        try:
+            await self._fetch_and_load(update, digest)
+        except Exception:
+            log.exception("weights of step %d not fetched or not loaded", update.version)
+            self.tasks.pop(digest, None)
+            self.versions.pop(digest, None)
+            await asyncio.to_thread(self.host.remove, digest)
 
     async def _fetch_and_load(self, update: WeightUpdate, digest: str) -> None:
         manifest = open_manifest(update.manifest, self.trusted)

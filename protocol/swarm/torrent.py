@@ -200,6 +200,7 @@ class Torrent:
         self.started = time.time()
         self.finished: float | None = time.time() if store.complete else None
         self.done = trio.Event()
+        self._finishing = False
         if store.complete:
             self.done.set()
         self.nursery: trio.Nursery | None = None
@@ -396,7 +397,8 @@ class Torrent:
                 o.send(Msg(Kind.CANCEL, index))
         for o in list(self.sessions.values()):
             o.send(Msg(Kind.HAVE, index))
-        if self.store.complete:
+        if self.store.complete and not self._finishing:
+            self._finishing = True  # pieces verified in parallel threads: finish once
             await self._finish()
         else:
             self._request_all()

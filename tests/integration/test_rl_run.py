@@ -124,3 +124,27 @@ def test_rl_killed_after_a_checkpoint_resumes_where_it_stopped(tmp_path, sft_mod
     for name, data in written.items():
         assert (run / "rollouts" / name).read_bytes() == data, f"{name} was regenerated"
     assert (run / "weights" / "step_8" / "STABLE").exists()
+
+
+def test_rl_with_the_swarm_transport_delivers_every_policy_to_every_worker(tmp_path, sft_model):
+    """`--weights.transport swarm`: the trainer seeds each step over libp2p under a signed
+    manifest; the workers fetch it from each other, load it and report it, and the run
+    trains on rollouts of those versions."""
+    steps = 4
+    run, _ = rl_through_pool(
+        tmp_path, sft_model, "--max-steps", str(steps), "--weights.transport", "swarm",
+        "--weights.swarm.piece-size", str(64 * 1024),
+    )  # fmt: skip
+    made = read_metrics(run, "orchestrator")
+    assert [r["step"] for r in made] == list(range(1, steps + 1))
+    # The last step asked for (and so waited for the pool to load) a policy the workers
+    # could only have got over the swarm.
+    assert made[-1]["min_version"] >= 1, made
+    for worker in (tmp_path / "weights").iterdir():
+        newest = max(worker.glob("step_*"), key=lambda p: int(p.name.split("_")[1]))
+        k = int(newest.name.split("_")[1])
+        assert k >= 2, newest  # every worker followed the policy as it was announced
+        published = run / "weights" / f"step_{k}"
+        for f in published.iterdir():
+            if f.name != "STABLE":
+                assert (newest / f.name).read_bytes() == f.read_bytes(), (worker.name, f.name)
