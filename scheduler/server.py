@@ -286,6 +286,8 @@ class SchedulerServer:
                 ),
                 "queued": len(self.dispatcher.queue),
                 "open_requests": len(self.dispatcher.jobs),
+                # Weight swarms the tracker knows: members and seeds per manifest hash.
+                "swarms": self.tracker.counts(),
             }
         )
 

@@ -15,17 +15,20 @@ import hashlib
 import time
 from pathlib import Path
 
+import aiohttp
 import httpx
 import pytest
 import torch
 from safetensors.torch import load_file
 from transformers import AutoConfig
 
+from protocol.client import RemoteError
 from protocol.envelope import seal
 from protocol.identity import Identity
-from protocol.messages import WeightUpdate
+from protocol.messages import SwarmAnnounce, WeightUpdate
 from protocol.swarm.config import SwarmConfig
 from protocol.swarm.manifest import sign_manifest
+from protocol.swarm.tracker import TrackerClient
 from tests.pools import make_pool
 from trainer.weights import MARKER, SwarmTransport
 from verifier.models import load_tokenizer, resolve_model
@@ -93,6 +96,12 @@ def test_eight_capped_workers_fetch_check_and_load_a_new_policy(tmp_path: Path) 
             held = httpx.get(pool.nodes[name].health_url).json()
             assert (held["weights_version"], held["weights_hash"]) == (1, update.weights_hash)
 
+        # The tracker saw every worker finish; a stranger may not use it.
+        assert pool.health()["swarms"][update.weights_hash[:12]]["seeds"] == 8
+        with pytest.raises(RemoteError) as refused:
+            asyncio.run(_announce_as_stranger(pool.url, update.weights_hash))
+        assert refused.value.status == 404
+
         seed = transport.host.status(update.weights_hash)
         trainer_upload = seed.uploaded / size
         # A star would upload 8 copies; the swarm needs about one and a bit.
@@ -134,6 +143,12 @@ def test_eight_capped_workers_fetch_check_and_load_a_new_policy(tmp_path: Path) 
 async def _publish(pool, update: WeightUpdate) -> None:
     async with pool.client() as client:
         await client.publish_weights(update)
+
+
+async def _announce_as_stranger(url: str, digest: str) -> None:
+    async with aiohttp.ClientSession() as session:
+        tracker = TrackerClient(session, lambda: url, Identity.generate())
+        await tracker.announce(SwarmAnnounce(manifest_hash=digest))
 
 
 def _manifest(update: WeightUpdate):
