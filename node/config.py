@@ -14,7 +14,7 @@ from pydantic import Field, field_validator, model_validator
 from protocol.config import PrimeSettings, Section
 from protocol.identity import IdentityError, public_key_from_node_id
 from protocol.messages import VerificationPolicy
-from protocol.swarm.config import SwarmConfig
+from protocol.swarm.config import SwarmConfig, SwarmToolSettings
 from verifier.models import check_model_name
 
 # Hosts a node listens on that no scheduler can reach it by.
@@ -239,7 +239,7 @@ class CalibrateConfig(PrimeSettings):
     """Where to write the proposed [verification] table (TOML)."""
 
 
-class FetchConfig(PrimeSettings):
+class FetchConfig(SwarmToolSettings):
     """`prime-node fetch`: download a version by its signed manifest from swarm peers (for
     operators testing their links; a pool node fetches by itself)."""
 
@@ -256,23 +256,13 @@ class FetchConfig(PrimeSettings):
     `prime-trainer publish`); more are learned from them."""
     key_file: Path = Path("~/.prime-swarm/node.key")
     """This node's Ed25519 key (its libp2p peer id)."""
-    swarm: SwarmConfig = SwarmConfig()
-    """This peer: listen address, upload and download caps, upload slots."""
-    status_file: Path | None = None
-    """Rewrite this JSON file with the download's counters every half second."""
     seed_after_s: float = Field(0.0, ge=0.0)
     """Keep serving pieces to others this long after finishing."""
-    progress: bool = True
-    """Show a progress bar."""
 
     @field_validator("trusted_key")
     @classmethod
     def check_trusted_key_is_node_id(cls, v: str) -> str:
-        try:
-            public_key_from_node_id(v)
-        except IdentityError as exc:
-            raise ValueError(f"trusted_key must be a node id like 12D3KooW...: {exc}") from exc
-        return v
+        return _node_id(v)
 
     @field_validator("peers")
     @classmethod

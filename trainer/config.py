@@ -18,7 +18,7 @@ from typing import Any, Literal
 from pydantic import Field, field_validator, model_validator
 
 from protocol.config import PrimeSettings, Section
-from protocol.swarm.config import SwarmConfig
+from protocol.swarm.config import SwarmConfig, SwarmToolSettings
 from verifier.models import check_model_name
 
 
@@ -392,7 +392,7 @@ class EvalConfig(RunSettings):
     """Samples per prompt."""
 
 
-class PublishConfig(PrimeSettings):
+class PublishConfig(SwarmToolSettings):
     """`prime-trainer publish`: cut a file or a weights folder into pieces, sign the
     manifest with the trainer key and seed it until stopped (for testing links)."""
 
@@ -405,14 +405,8 @@ class PublishConfig(PrimeSettings):
     manifest_out: Path | None = None
     """Where to write the signed manifest (default: `<folder>/.manifest`, or
     `<file>.manifest` for a single file)."""
-    swarm: SwarmConfig = SwarmConfig()
-    """The seeding peer: listen address, upload cap, piece size."""
-    status_file: Path | None = None
-    """Rewrite this JSON file with the seed's counters every half second."""
     seed_for_s: float = Field(0.0, ge=0.0)
     """Stop after this many seconds (0: until interrupted)."""
-    progress: bool = True
-    """Show a progress bar."""
 
     @field_validator("source")
     @classmethod

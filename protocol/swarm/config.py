@@ -7,9 +7,11 @@ them to act out slow home uplinks.
 
 from __future__ import annotations
 
+from pathlib import Path
+
 from pydantic import Field, field_validator
 
-from protocol.config import Section
+from protocol.config import PrimeSettings, Section
 
 MiB = 1024 * 1024
 
@@ -59,3 +61,15 @@ class SwarmConfig(Section):
             if not a.startswith("/"):
                 raise ValueError(f"{a!r} is not a multiaddr (like /ip4/127.0.0.1/tcp/4001)")
         return v
+
+
+class SwarmToolSettings(PrimeSettings):
+    """Fields shared by the operators' swarm commands (`prime-trainer publish`,
+    `prime-node fetch`)."""
+
+    swarm: SwarmConfig = SwarmConfig()
+    """This peer: listen address, upload and download caps, upload slots, piece size."""
+    status_file: Path | None = None
+    """Rewrite this JSON file with the torrent's counters every half second."""
+    progress: bool = True
+    """Show a progress bar."""
