@@ -58,6 +58,7 @@ import os
 import platform
 import shutil
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -176,6 +177,23 @@ def stop_all(procs: list[ManagedProcess]) -> None:
             p.proc.terminate()
     for p in procs:
         p.stop(grace_s=10)
+
+
+def git_state() -> dict[str, Any]:
+    """The commit the children ran and whether the swarm code had local edits (or {})."""
+
+    def git(*a: str) -> str | None:
+        try:
+            res = subprocess.run(["git", *a], cwd=REPO, capture_output=True, text=True)
+        except OSError:
+            return None
+        return res.stdout.strip() if res.returncode == 0 else None
+
+    commit = git("rev-parse", "--short", "HEAD")
+    if commit is None:
+        return {}
+    dirty = git("status", "--porcelain", "--", "protocol", "node", "trainer")
+    return {"commit": commit, "swarm_code_dirty": bool(dirty)}
 
 
 def machine_info() -> dict[str, Any]:
@@ -590,6 +608,7 @@ def main() -> None:
     result = {
         "config": config,
         "machine": info,
+        "git": git_state(),
         "bench_wall_s": time.time() - t0,
         "rows": rows,
         "targets": targets(rows),
