@@ -111,8 +111,11 @@ class PieceStore:
         return sum(self.manifest.piece_length(i) for i, h in enumerate(self.have) if not h)
 
     def finish(self, envelope: bytes) -> Path:
-        """Move a complete download to its final folder (with its signed manifest)."""
-        assert self.complete and self.folder.name.endswith(".partial")
+        """Move a complete download to its final folder (with its signed manifest); a
+        second call returns the folder it already moved."""
+        assert self.complete
+        if not self.folder.name.endswith(".partial"):
+            return self.folder
         for path, _, _ in self._files:
             with path.open("rb") as f:
                 os.fsync(f.fileno())
