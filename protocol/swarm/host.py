@@ -36,7 +36,7 @@ from libp2p.security.noise.transport import Transport as NoiseTransport
 
 from protocol.identity import Identity
 from protocol.swarm.config import SwarmConfig
-from protocol.swarm.manifest import open_manifest
+from protocol.swarm.manifest import MANIFEST_FILE, open_manifest
 from protocol.swarm.ratelimit import TokenBucket
 from protocol.swarm.store import PieceStore
 from protocol.swarm.torrent import Session, Torrent, TorrentStatus
@@ -186,7 +186,7 @@ class SwarmHost:
         async def add() -> Torrent:
             t = self.torrents.get(digest)
             if t is None:
-                store = await trio.to_thread.run_sync(PieceStore.download, Path(dest), manifest)
+                store = await trio.to_thread.run_sync(_open_store, Path(dest), manifest, envelope)
                 t = await self._add(manifest, envelope, store)
             t.spare |= set(spare)
             t.add_peers(parsed)
@@ -322,6 +322,17 @@ async def _reset(stream) -> None:
     with contextlib.suppress(Exception):  # already gone
         await stream.reset()
     return None
+
+
+def _open_store(dest: Path, manifest, envelope: bytes) -> PieceStore:
+    """A folder this node finished before (it holds the same signed manifest, its pieces
+    were checked on arrival) is seeded as it is; anything else is (re)downloaded."""
+    if (dest / MANIFEST_FILE).is_file() and (dest / MANIFEST_FILE).read_bytes() == envelope:
+        try:
+            return PieceStore.seed(dest, manifest)
+        except (OSError, ValueError):
+            pass  # files missing or resized since: fetch again
+    return PieceStore.download(dest, manifest)
 
 
 def _parse_peers(addrs: list[str]) -> list[tuple[str, list[str]]]:

@@ -45,6 +45,7 @@ from protocol.swarm.wire import (
 )
 
 log = logging.getLogger("prime.swarm")
+MAX_KNOWN = 1000  # peers remembered per version from peer exchange
 REDIAL_S = 5.0  # a peer that could not be dialed (or left) is tried again after this
 
 
@@ -253,8 +254,11 @@ class Torrent:
         for pid, addrs in peers:
             if pid == self.my_id or pid in self.banned or not addrs:
                 continue
-            if not direct and pid in self.spare and pid not in self.known:
-                continue
+            if not direct and (
+                (pid in self.spare and pid not in self.known)
+                or (pid not in self.known and len(self.known) >= MAX_KNOWN)
+            ):
+                continue  # the trainer is spared; peer exchange cannot flood our memory
             self.known[pid] = addrs
         self._dial_more()
 

@@ -215,3 +215,20 @@ def test_killed_and_late_downloaders_finish_from_peers_after_the_trainer_left(
         seed.close()
         for p in procs.values():
             p.kill9()
+
+
+def test_a_version_finished_before_a_restart_is_seeded_not_fetched_again(tmp_path: Path) -> None:
+    trainer = Identity.generate()
+    src = tmp_path / "src"
+    _, envelope = make_version(src, 512 * KiB, 64 * KiB, trainer)
+    node = Identity.generate()
+    with SwarmHost(trainer, SwarmConfig(), {trainer.public_key}) as seed:
+        seed.seed(envelope, src)
+        with SwarmHost(node, SwarmConfig(), {trainer.public_key}) as first:
+            first.fetch(envelope, tmp_path / "d" / "v", seed.addrs).result(30)
+    # The node restarts with no peer at all: its own finished folder is enough.
+    with SwarmHost(node, SwarmConfig(), {trainer.public_key}) as again:
+        folder = again.fetch(envelope, tmp_path / "d" / "v").result(10)
+        (status,) = again.statuses()
+        assert status.complete and status.downloaded == 0
+        assert digest_files(folder) == digest_files(src)
