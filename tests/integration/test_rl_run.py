@@ -143,7 +143,9 @@ def test_rl_with_the_swarm_transport_delivers_every_policy_to_every_worker(tmp_p
     for worker in (tmp_path / "weights").iterdir():
         newest = max(worker.glob("step_*"), key=lambda p: int(p.name.split("_")[1]))
         k = int(newest.name.split("_")[1])
-        assert k >= 2, newest  # every worker followed the policy as it was announced
+        # Every worker holds the policy the last step asked for (which versions beyond it
+        # were announced depends on how far the trainer had got: async_level 2).
+        assert k >= made[-1]["min_version"], newest
         published = run / "weights" / f"step_{k}"
         for f in published.iterdir():
             if f.name != "STABLE":
