@@ -27,7 +27,7 @@ from pathlib import Path
 
 from node.config import NodeWeightsConfig
 from protocol.identity import Identity, node_id_from_public_key
-from protocol.messages import SwarmAnnounce, WeightUpdate
+from protocol.messages import Manifest, SwarmAnnounce, WeightUpdate
 from protocol.swarm.config import SwarmConfig
 from protocol.swarm.host import SwarmHost
 from protocol.swarm.manifest import open_manifest
@@ -103,7 +103,7 @@ class SwarmWeights:
         if digest in self.tasks or manifest.step <= self.current_version():
             return False
         self.versions[digest] = manifest.step
-        self.tasks[digest] = asyncio.create_task(self._guarded(update, digest))
+        self.tasks[digest] = asyncio.create_task(self._guarded(update, manifest, digest))
         if self._announcer is None:
             self._announcer = asyncio.create_task(self._announce_forever())
         return True
@@ -135,19 +135,19 @@ class SwarmWeights:
             for digest in list(self.versions):
                 await self._announce(digest)
 
-    async def _guarded(self, update: WeightUpdate, digest: str) -> None:
+    async def _guarded(self, update: WeightUpdate, manifest: Manifest, digest: str) -> None:
         """Fetch and load; on failure log it and forget the attempt, so the next offer of
         the same update (a heartbeat relays it until the node reports it) starts over."""
         try:
-            await self._fetch_and_load(update, digest)
+            await self._fetch_and_load(update, manifest, digest)
         except Exception:
             log.exception("weights of step %d not fetched or not loaded", update.version)
             self.tasks.pop(digest, None)
             self.versions.pop(digest, None)
             await asyncio.to_thread(self.host.remove, digest)
 
-    async def _fetch_and_load(self, update: WeightUpdate, digest: str) -> None:
-        manifest = open_manifest(update.manifest, self.trusted)
+    async def _fetch_and_load(self, update: WeightUpdate, manifest: Manifest, digest: str) -> None:
+        """`manifest` is the update's, already checked against the trainer key by `want`."""
         dest = self.folder / f"step_{manifest.step}_{digest[:12]}"
         loop = asyncio.get_running_loop()
         started = loop.time()

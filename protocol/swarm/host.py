@@ -247,8 +247,7 @@ class SwarmHost:
             store,
             self.cfg,
             self.peer_id,
-            self.addrs,
-            (self.up, self.down),
+            self.up,
             self.banned,
             self._dial,
             self._ban,
@@ -275,7 +274,7 @@ class SwarmHost:
         return Msg(Kind.HANDSHAKE, data=bytes.fromhex(t.hash), peers=[(self.peer_id, self.addrs)])
 
     async def _dial(self, peer_id: str, addrs: list[str], t: Torrent) -> Session | None:
-        info = info_from_p2p_addr(multiaddr.Multiaddr(f"{addrs[0]}"))
+        info = info_from_p2p_addr(multiaddr.Multiaddr(addrs[0]))
         for a in addrs[1:]:
             info.addrs.append(multiaddr.Multiaddr(a.split("/p2p/")[0]))
         with trio.fail_after(self.cfg.connect_timeout_s):

@@ -140,7 +140,7 @@ class Session:
             self.close("done")
 
     async def _write_loop(self) -> None:
-        up = self.t.host_limits[0]
+        up = self.t.upload
         async for msg in self._outbox:
             if msg.kind == Kind.PIECE and not msg.data:
                 # A queued upload: skip it if cancelled or if we choked the peer since.
@@ -172,8 +172,7 @@ class Torrent:
         store: PieceStore,
         cfg: SwarmConfig,
         my_id: str,
-        my_addrs: list[str],
-        host_limits: tuple[TokenBucket, TokenBucket],
+        upload: TokenBucket,
         banned: set[str],
         dial: Dialer,
         on_ban: Callable[[str], None],
@@ -184,8 +183,7 @@ class Torrent:
         self.store = store
         self.cfg = cfg
         self.my_id = my_id
-        self.my_addrs = my_addrs
-        self.host_limits = host_limits
+        self.upload = upload  # the host's upload link, shared by every torrent
         self.banned = banned
         self._dial = dial
         self._on_ban = on_ban
