@@ -7,7 +7,7 @@ PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test lint bench calibrate vllm-venv clean system-deps
+.PHONY: demo demo-verify test lint bench calibrate vllm-venv clean system-deps
 
 $(STAMP): pyproject.toml
 	$(MAKE) system-deps
@@ -29,7 +29,13 @@ system-deps:
 	@if [ ! -x /usr/bin/chromium ]; then \
 		echo "installing chromium"; apt-get update -q && apt-get install -y -q chromium; fi
 
+# The main job: the whole network on this machine (see README "The main job").
 demo: $(STAMP)
+	$(VENV)/bin/prime-trainer rl @ configs/rl/local-swarm-tiny.toml --run-dir runs/local-$$(date +%Y%m%d-%H%M%S)
+
+# Two SmolLM2 workers: one answers the openai client, the other verifies (and rejects a
+# tampered copy).
+demo-verify: $(STAMP)
 	$(PY) -m node.demo
 
 test: $(STAMP)

@@ -82,7 +82,7 @@ def _read_toml(path: str) -> dict[str, Any]:
 
 def _parse_value(key: str, value: str) -> Any:
     """Flag values are strings, except JSON lists and tables (``--trusted-keys '["a", "b"]'``)."""
-    if value[:1] in "[{":
+    if value[:1] and value[0] in "[{":  # ("" is in every string)
         try:
             return json.loads(value)
         except json.JSONDecodeError as exc:

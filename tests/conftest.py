@@ -89,3 +89,27 @@ def tiny_pair(tmp_path_factory):
     yield a, b, trainer_id
     for n in (a, b):
         n.stop()
+
+
+SFT_SECONDS: list[float] = []
+
+
+@pytest.fixture(scope="session")
+def sft_model(tmp_path_factory) -> Path:
+    """The tiny model after its SFT warm-up on reverse-text (about 90 s on 2 cores, once per
+    test session): the policy of every test that runs real RL."""
+    from tests.rl_runs import sft_warmup
+    from trainer.monitor import read_metrics
+
+    run = tmp_path_factory.mktemp("sft")
+    model, seconds = sft_warmup(run)
+    SFT_SECONDS.append(seconds)
+    sft = read_metrics(run, "sft")
+    assert sft[-1]["loss"] < sft[0]["loss"] / 2, "SFT warm-up did not learn"
+    return model
+
+
+@pytest.fixture
+def sft_model_seconds(sft_model) -> list[float]:
+    """How long the session's SFT warm-up took (one entry)."""
+    return SFT_SECONDS

@@ -37,6 +37,9 @@ class TrainingSample:
     """Policy version that generated the sample."""
     reward: float = 0.0
     """The episode's reward (for logs)."""
+    rollout_id: str = ""
+    """The scheduler's request id of the generation this sample came from (audits join it
+    with the scheduler's results table: who generated it, which verdicts let it through)."""
 
     def __post_init__(self) -> None:
         n = len(self.input_ids)

@@ -283,6 +283,49 @@ class RLOrchestratorSection(Section):
     """Generation rounds per step before going ahead with fewer groups."""
 
 
+class LocalSwarmConfig(Section):
+    """The whole network on this machine (`prime-trainer rl --local-swarm.enabled true`): a
+    scheduler (SQLite in the run directory), `workers` worker nodes and the trainer, each
+    its own process on loopback; the launcher fills in the orchestrator's pool, scheduler
+    and trainer key itself."""
+
+    enabled: bool = False
+    """Start the scheduler and the workers as well (off: `rl` uses an existing pool)."""
+    workers: int = Field(3, ge=2, le=32)
+    """Worker nodes (`prime-node join`); at least 2 (a rollout's verifier is never its
+    generator), 3 or more to settle disputes."""
+    sft: Path | None = None
+    """SFT config run first (`prime-trainer sft @ <file>`) when the policy needs a warm-up;
+    its model (`<run_dir>/sft/final`, reused if present) becomes the policy and the
+    pool's model. '' : no warm-up, `model.name` is the policy."""
+    verification: Path = Path("configs/verification/tiny-torch-cpu-fp32.toml")
+    """Calibrated thresholds of the pool (`prime-node calibrate` output) for this model
+    and engine mix."""
+    pool_id: str = Field("local", min_length=1, max_length=64)
+    """Pool id of the local pool."""
+    heartbeat_interval_s: float = Field(2.0, gt=0)
+    """Worker heartbeat period (a killed worker is declared dead after 15 of them)."""
+    worker_upload_rate: int = Field(0, ge=0)
+    """Upload cap of every worker's weight-swarm peer in bytes/s (0: none), to watch the
+    swarm share the trainer's load on one machine."""
+    pool_args: list[str] = []
+    """Extra flags for `prime-scheduler pool create` (e.g. `--verification.audit-rate 1`)."""
+    startup_timeout_s: float = Field(300.0, gt=0)
+    """How long the scheduler and the workers may take to come up."""
+
+    @field_validator("sft", mode="before")
+    @classmethod
+    def check_empty_means_no_warmup(cls, v: object) -> object:
+        return None if v in ("", "none") else v
+
+    @field_validator("sft", "verification")
+    @classmethod
+    def check_file_exists(cls, v: Path | None) -> Path | None:
+        if v is not None and not Path(v).is_file():
+            raise ValueError(f"{v} is not a file")
+        return v
+
+
 class RLConfig(RunSettings):
     """`prime-trainer rl`: one run, a trainer and an orchestrator agreeing on its shape."""
 
@@ -304,6 +347,8 @@ class RLConfig(RunSettings):
     """Trainer-only settings."""
     orchestrator: RLOrchestratorSection = RLOrchestratorSection()
     """Orchestrator-only settings."""
+    local_swarm: LocalSwarmConfig = LocalSwarmConfig()
+    """Run the scheduler and the workers too, on this machine (the main demo)."""
 
     @model_validator(mode="after")
     def check_batch_divisible_by_group(self) -> RLConfig:

@@ -1,30 +1,101 @@
-"""`prime-trainer rl`: start a trainer and an orchestrator for one run and watch them.
+"""`prime-trainer rl`: start the processes of one run, watch them, stop them together.
 
-Each child gets its resolved config as a TOML file in `<run_dir>/configs/` and logs to
-`<run_dir>/logs/<name>.log`. The parent shows one progress display fed by the children's
-metrics files.
+A run is a trainer child and an orchestrator child on an existing pool; with
+`local_swarm.enabled` it is the whole network on this machine: an optional SFT warm-up,
+a scheduler and N workers first (trainer/local_swarm.py), then the trainer and the
+orchestrator on that pool. Each child gets its resolved config in `<run_dir>/configs/`
+(trainer, orchestrator) or its flags on the command line (pool processes) and logs to
+`<run_dir>/logs/<name>.log`. The parent draws one live view (trainer/live_view.py).
 
-Invariants: one process-management path for every child (`ManagedProcess`, which also
-kills children if the parent dies); if either child fails the other is stopped and the
-run exits non-zero with the failing child's log tail; the curves PNG is written whether
-the run succeeded or not.
+Invariants: one process-management path for every child (`Launch` over
+`ManagedProcess`, which also kills children if the parent dies); the run ends when the
+trainer finishes, and fails as soon as any child fails (a non-zero exit, or a pool
+service exiting at all), naming the child and showing its log tail; on success, failure,
+Ctrl-C or SIGTERM every child is stopped, the curves PNG and `summary.json` are written.
 """
 
 from __future__ import annotations
 
+import contextlib
+import signal
 import sys
 import time
 from pathlib import Path
 
 from rich.console import Console
+from rich.live import Live
 
 from protocol.config import write_resolved
 from protocol.processes import ManagedProcess
 from trainer.config import RLConfig
-from trainer.monitor import make_progress, plot_run, read_metrics
+from trainer.live_view import RunView, summary_table
+from trainer.local_swarm import Child, LaunchError, LocalPool
+from trainer.monitor import plot_run, read_metrics
 
 
-def _commands(cfg: RLConfig) -> dict[str, list[str]]:
+class Interrupted(Exception):
+    """Ctrl-C or SIGTERM: stop everything, keep what was written."""
+
+
+class Launch:
+    """The children of one run, in start order."""
+
+    def __init__(self, run_dir: Path):
+        self.logs = Path(run_dir) / "logs"
+        self.children: dict[str, tuple[Child, ManagedProcess]] = {}
+
+    def start(self, child: Child) -> ManagedProcess:
+        proc = ManagedProcess.start(
+            child.name, child.cmd, child.health_url, self.logs / f"{child.name}.log",
+            env=child.env, wait=False,
+        )  # fmt: skip
+        self.children[child.name] = (child, proc)
+        return proc
+
+    def failure(self) -> str | None:
+        """The first child that failed, or None."""
+        for child, proc in self.children.values():
+            code = proc.proc.poll()
+            if code is not None and (code != 0 or child.service):
+                return child.name
+        return None
+
+    def wait_exit(self, name: str, view: RunView, poll_s: float = 0.5) -> None:
+        """Until `name` exits; raises LaunchError if it, or any other child, fails."""
+        proc = self.children[name][1]
+        while proc.alive():
+            self.check()
+            view.poll()
+            time.sleep(poll_s)
+        self.check()
+
+    def check(self) -> None:
+        if (failed := self.failure()) is not None:
+            raise ChildFailed(failed)
+
+    def wait_healthy(self, names: list[str], timeout_s: float) -> None:
+        deadline = time.monotonic() + timeout_s
+        for name in names:
+            try:
+                self.children[name][1].wait_healthy(max(1.0, deadline - time.monotonic()))
+            except (RuntimeError, TimeoutError) as exc:
+                raise ChildFailed(name) from exc
+
+    def stop_all(self) -> None:
+        """Last started first; everyone is asked at once, then waited for."""
+        procs = [p for _, p in reversed(self.children.values())]
+        for p in procs:
+            if p.alive():
+                p.proc.terminate()
+        for p in procs:
+            p.stop(grace_s=15)
+
+
+class ChildFailed(Exception):
+    """A child of the run exited (or did not come up); the argument is its name."""
+
+
+def _trainer_children(cfg: RLConfig) -> list[Child]:
     configs = Path(cfg.run_dir) / "configs"
     trainer_toml = write_resolved(cfg.trainer_config(), configs / "trainer.toml")
     orch_toml = write_resolved(cfg.orchestrator_config(), configs / "orchestrator.toml")
@@ -36,51 +107,95 @@ def _commands(cfg: RLConfig) -> dict[str, list[str]]:
     else:
         trainer = [py, "-m", "trainer.train", "@", str(trainer_toml)]
     orchestrator = [py, "-m", "trainer.cli", "orchestrate", "@", str(orch_toml)]
-    return {"trainer": trainer, "orchestrator": orchestrator}
+    return [Child("trainer", trainer), Child("orchestrator", orchestrator)]
+
+
+def _start_pool(local: LocalPool, launch: Launch, view: RunView) -> RLConfig:
+    """Warm-up, pool file, scheduler, workers; returns the run's config on that pool."""
+    if (sft := local.sft()) is not None:
+        view.phase = "SFT warm-up"
+        launch.start(sft)
+        sft_dir = local.sft_model.parent
+        while launch.children["sft"][1].alive():
+            launch.check()
+            done = read_metrics(sft_dir, "sft")
+            view.phase = f"SFT warm-up, step {done[-1]['step'] if done else 0}"
+            time.sleep(0.5)
+        launch.check()
+    view.phase = "starting the pool"
+    local.create_pool()
+    launch.start(local.scheduler())
+    launch.wait_healthy(["scheduler"], 60)
+    for name in local.workers:
+        launch.start(local.worker(name))
+    view.phase = f"starting {len(local.workers)} workers"
+    launch.wait_healthy(local.workers, local.ls.startup_timeout_s)
+    deadline = time.monotonic() + local.ls.startup_timeout_s
+    while True:  # registered and healthy in the scheduler's eyes, not only serving
+        launch.check()
+        view.poll()
+        healthy = [n for n in (view.pool or {}).get("nodes", []) if n["state"] == "healthy"]
+        if len(healthy) >= len(local.workers):
+            break
+        if time.monotonic() > deadline:
+            raise LaunchError(f"only {len(healthy)} of {len(local.workers)} workers joined")
+        time.sleep(0.5)
+    cfg = local.rl_config()
+    write_resolved(cfg, Path(cfg.run_dir) / "configs" / "rl.toml")
+    return cfg
+
+
+def _raise_interrupted(*_: object) -> None:
+    raise Interrupted()
 
 
 def run_rl(cfg: RLConfig, console: Console) -> int:
+    if not cfg.ckpt.resume and (Path(cfg.run_dir) / "rollouts").exists():
+        console.print(
+            f"[red]{cfg.run_dir} already holds a run[/red]: pass --ckpt.resume to continue "
+            "it, or another --run-dir"
+        )
+        return 2
     write_resolved(cfg, Path(cfg.run_dir) / "configs" / "rl.toml")
-    logs = Path(cfg.run_dir) / "logs"
-    children = {
-        name: ManagedProcess.start(name, cmd, "", logs / f"{name}.log", wait=False)
-        for name, cmd in _commands(cfg).items()
-    }
-    progress = make_progress("rl", console, disable=not cfg.monitor.progress)
-    task = progress.add_task("", total=cfg.max_steps)
-    failed = ""
+    launch = Launch(cfg.run_dir)
+    local = LocalPool(cfg) if cfg.local_swarm.enabled else None
+    view = RunView(
+        cfg.run_dir, cfg.max_steps, local.url if local else None, local.names() if local else None
+    )
+    live = (
+        Live(view, console=console, refresh_per_second=2)
+        if cfg.monitor.progress
+        else contextlib.nullcontext()
+    )
+    previous = signal.signal(signal.SIGTERM, _raise_interrupted)
+    outcome, message = "failed", ""
     try:
-        with progress:
-            while children["trainer"].alive():
-                if (
-                    not children["orchestrator"].alive()
-                    and children["orchestrator"].proc.returncode
-                ):
-                    failed = "orchestrator"
-                    break
-                trained = read_metrics(cfg.run_dir, "trainer")
-                made = read_metrics(cfg.run_dir, "orchestrator")
-                if trained:
-                    t = trained[-1]
-                    o = made[-1] if made else {}
-                    progress.update(
-                        task,
-                        completed=t["step"],
-                        description=f"reward={o.get('reward_mean', float('nan')):.3f} "
-                        f"loss={t.get('loss', float('nan')):.4f} idle={t.get('idle_s', 0):.1f}s",
-                    )
-                time.sleep(0.5)
-            if not failed and children["trainer"].proc.returncode:
-                failed = "trainer"
+        with live:
+            if local is not None:
+                cfg = _start_pool(local, launch, view)
+            for child in _trainer_children(cfg):
+                launch.start(child)
+            view.phase = "training"
+            launch.wait_exit("trainer", view)
+            outcome = "finished"
+    except ChildFailed as exc:
+        name = str(exc)
+        tail = launch.children[name][1].log_tail() if name in launch.children else ""
+        message = f"[red]{name} failed[/red]; its log ends with:\n{tail}"
+    except LaunchError as exc:
+        message = f"[red]{exc}[/red]"
+    except (KeyboardInterrupt, Interrupted):
+        outcome, message = "interrupted", "[yellow]interrupted: stopping every process[/yellow]"
     finally:
-        for child in children.values():
-            child.stop()
+        signal.signal(signal.SIGTERM, previous)
+        view.phase = "stopping"
+        view.poll()  # the pool's final counts, before it goes
+        launch.stop_all()
         if cfg.monitor.plot:
             plot_run(cfg.run_dir)
-    if failed:
-        console.print(
-            f"[red]{failed} failed[/red]; its log ends with:\n{children[failed].log_tail()}"
-        )
-        return 1
-    console.print(f"run finished: {cfg.run_dir} (curves.png, logs/*_metrics.jsonl)")
-    return 0
+    summary = view.summary(outcome)
+    if message:
+        console.print(message)
+    console.print(summary_table(summary))
+    console.print(f"run {outcome}: {cfg.run_dir} (curves.png, summary.json, logs/)")
+    return 0 if outcome == "finished" else 1

@@ -97,6 +97,7 @@ def turn_sample(turn: Turn, advantage: float, version: int, reward: float) -> Tr
         advantage=advantage,
         version=version,
         reward=reward,
+        rollout_id=turn.rollout_id,
     )
 
 

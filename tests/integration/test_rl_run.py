@@ -12,7 +12,6 @@ import math
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 import pytest
 import torch
@@ -24,7 +23,6 @@ from tests.rl_runs import (
     rl_args,
     rl_through_pool,
     serving_pool,
-    sft_warmup,
     summarize,
     trainer_cli,
 )
@@ -33,20 +31,9 @@ from trainer.monitor import read_metrics
 from verifier.models import load_tokenizer
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
-SFT_SECONDS: list[float] = []
 
 
-@pytest.fixture(scope="module")
-def sft_model(tmp_path_factory) -> Path:
-    run = tmp_path_factory.mktemp("sft")
-    model, seconds = sft_warmup(run)
-    SFT_SECONDS.append(seconds)
-    sft = read_metrics(run, "sft")
-    assert sft[-1]["loss"] < sft[0]["loss"] / 2, "SFT warm-up did not learn"
-    return model
-
-
-def test_rl_on_reverse_text_through_a_verifying_pool(tmp_path, sft_model):
+def test_rl_on_reverse_text_through_a_verifying_pool(tmp_path, sft_model, sft_model_seconds):
     steps, async_level = 30, 2  # configs/rl/reverse-text-tiny.toml
     run, took = rl_through_pool(tmp_path, sft_model)
     trained = read_metrics(run, "trainer")
@@ -63,7 +50,7 @@ def test_rl_on_reverse_text_through_a_verifying_pool(tmp_path, sft_model):
     # Every episode the orchestrator scored was verified: nothing came back rejected.
     assert not any(r.get("dropped_rejected") for r in made)
     s = summarize(run)
-    s["sft_and_rl_s"] = SFT_SECONDS[0] + took
+    s["sft_and_rl_s"] = sft_model_seconds[0] + took
     print("\nRL run:", json.dumps({k: round(v, 4) for k, v in s.items()}))
     # The whole run (SFT warm-up included) fits in 10 minutes on this 2-core box.
     assert s["sft_and_rl_s"] < 600, s

@@ -1,0 +1,226 @@
+"""Test harness of tests/swarm: a real RL run on a real pool, with handles to break it, and
+the audit of DESIGN.md section 3's invariants afterwards.
+
+`FaultRun` is a scheduler and worker processes (tests.pools: honest `prime-node join`
+or a dishonest kind from tests.adversaries) plus `prime-trainer rl` on the swarm weight
+transport, in the background, so that a test can kill -9 workers, the scheduler or the
+trainer while it trains. `audit` then reads only what a run leaves behind: the
+scheduler's SQLite database (requests, results, nodes) and the trainer's records (the
+batch files it trained on, its metrics), so an invariant holds or fails independently of
+anything a process said while running.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import sqlite3
+import subprocess
+import sys
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+import torch
+
+from tests.pools import Pool, make_pool
+from tests.rl_runs import ENV, FAST_HEARTBEATS, REPO, rl_args
+from trainer.batch import batch_path, staleness
+from trainer.monitor import read_metrics
+
+ASYNC_LEVEL = 2
+
+
+@dataclass
+class FaultRun:
+    pool: Pool
+    model: Path
+    steps: int
+    extra: tuple[str, ...] = ()
+    proc: subprocess.Popen | None = None
+    kinds: dict[str, str | None] = field(default_factory=dict)
+    """Worker name -> dishonest kind (None: honest)."""
+
+    @property
+    def run(self) -> Path:
+        return self.pool.workdir / "run"
+
+    @classmethod
+    def create(cls, workdir: Path, model: Path, steps: int, *extra: str, **pool_kw) -> FaultRun:
+        return cls(make_pool(workdir, model=str(model), **pool_kw), model, steps, extra)
+
+    # -- processes ----------------------------------------------------------------------
+    def start_pool(self, workers: dict[str, str | None], *scheduler_args: str) -> None:
+        self.pool.start_scheduler(*FAST_HEARTBEATS, *scheduler_args)
+        self.join(workers)
+
+    def join(self, workers: dict[str, str | None], wait: bool = True) -> None:
+        self.kinds.update(workers)
+        for name, kind in workers.items():
+            self.pool.join(name, dishonest=kind, wait=False)
+        if wait:
+            for name in workers:
+                self.pool.wait_joined(name)
+
+    def start_training(self, *more: str) -> None:
+        args = rl_args(
+            self.pool, self.model, self.run, "--max-steps", str(self.steps),
+            "--async-level", str(ASYNC_LEVEL), "--weights.transport", "swarm",
+            "--weights.swarm.piece-size", str(64 * 1024), *self.extra, *more,
+        )  # fmt: skip
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "trainer.cli", *args],
+            cwd=REPO, env=ENV, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+        )  # fmt: skip
+
+    def trained_steps(self) -> int:
+        trained = read_metrics(self.run, "trainer")
+        return trained[-1]["step"] if trained else 0
+
+    def wait_step(self, step: int, timeout_s: float = 300) -> None:
+        """Until the trainer has finished `step` (fails if the run died first)."""
+        deadline = time.monotonic() + timeout_s
+        while self.trained_steps() < step:
+            assert self.proc is not None and self.proc.poll() is None, self.logs()
+            assert time.monotonic() < deadline, f"step {step} not reached\n{self.logs()}"
+            time.sleep(0.2)
+
+    def wait_finished(self, timeout_s: float = 600) -> None:
+        assert self.proc is not None
+        try:
+            code = self.proc.wait(timeout_s)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            raise AssertionError(
+                f"the run did not finish in {timeout_s} s\n{self.logs()}"
+            ) from None
+        assert code == 0, f"rl exited with {code}\n{self.logs()}"
+        self.drain()
+
+    def drain(self, timeout_s: float = 90) -> None:
+        """Until the scheduler holds no open request (late verdicts land in the DB)."""
+        deadline = time.monotonic() + timeout_s
+        while self.pool.health()["open_requests"] and time.monotonic() < deadline:
+            time.sleep(0.5)
+
+    def trainer_pid(self) -> int:
+        """The trainer child of `rl` (found by its command line)."""
+        toml = str(self.run / "configs" / "trainer.toml")
+        for entry in Path("/proc").iterdir():
+            if not entry.name.isdigit():
+                continue
+            try:
+                cmd = (entry / "cmdline").read_bytes().split(b"\0")
+            except OSError:
+                continue
+            if b"trainer.train" in cmd and toml.encode() in cmd:
+                return int(entry.name)
+        raise AssertionError("no trainer process")
+
+    def kill_trainer(self) -> None:
+        """kill -9 of the trainer process; `rl` sees its child fail and stops the rest."""
+        os.kill(self.trainer_pid(), signal.SIGKILL)
+        assert self.proc is not None
+        assert self.proc.wait(60) != 0
+
+    def logs(self) -> str:
+        tails = []
+        for name in ("trainer", "orchestrator"):
+            log = self.run / "logs" / f"{name}.log"
+            if log.exists():
+                tails.append(f"--- {name}\n{log.read_text()[-2500:]}")
+        return "\n".join(tails)
+
+    def close(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait(30)
+        self.pool.close()
+
+    # -- afterwards -----------------------------------------------------------------
+    def node_ids(self, names) -> set[str]:
+        return {self.pool.node_id(n) for n in names}
+
+    def audit(
+        self,
+        cheat_generators: set[str] = frozenset(),
+        cheat_verifiers: set[str] = frozenset(),
+        exempt: set[str] = frozenset(),
+    ) -> dict:
+        """`audit` with worker names; every worker not named is honest (never banned)."""
+        named = set(cheat_generators) | set(cheat_verifiers) | set(exempt)
+        return audit(
+            self.run,
+            Path(self.pool.db_url.split(":///", 1)[1]),
+            self.steps,
+            cheat_generators=self.node_ids(cheat_generators),
+            cheat_verifiers=self.node_ids(cheat_verifiers),
+            honest=self.node_ids(n for n in self.kinds if n not in named),
+        )
+
+
+def audit(
+    run: Path,
+    db: Path,
+    steps: int,
+    cheat_generators: set[str],
+    cheat_verifiers: set[str],
+    honest: set[str],
+) -> dict:
+    """Assert DESIGN.md section 3 on what the run left behind; returns the counts.
+
+    Training went on (every step trained); every request got exactly one result; every
+    trained sample was accepted, by a generator that is not a cheat, at the version the
+    scheduler recorded, no staler than async_level, and trained once; every cheat (as a
+    generator or as a verifier) is banned and no honest node is."""
+    trained = read_metrics(run, "trainer")
+    assert [r["step"] for r in trained] == list(range(1, steps + 1)), "training stopped"
+    with sqlite3.connect(db) as conn:
+        requests = [r for (r,) in conn.execute("SELECT request_id FROM requests")]
+        results = {
+            rid: (status, gen, version)
+            for rid, status, gen, version in conn.execute(
+                "SELECT request_id, status, generator_id, weights_version FROM results"
+            )
+        }
+        nodes = dict(conn.execute("SELECT node_id, state FROM nodes"))
+    # Exactly once: every request has its one result (the table's unique key refuses a
+    # second), none is missing.
+    assert len(set(requests)) == len(requests)
+    lost = set(requests) - set(results)
+    assert not lost, f"{len(lost)} requests never got a result: {sorted(lost)[:5]}"
+    # The trainer's records: every sample it trained on, joined with the scheduler's.
+    seen: Counter[str] = Counter()
+    samples = 0
+    for n in range(1, steps + 1):
+        batch = torch.load(batch_path(run, n), weights_only=True)
+        for s in batch["samples"]:
+            samples += 1
+            rid = s["rollout_id"]
+            seen[rid] += 1
+            assert rid in results, f"step {n} trained on {rid}, unknown to the scheduler"
+            status, gen, version = results[rid]
+            assert status == "accepted", f"step {n} trained on a {status} rollout {rid}"
+            assert gen not in cheat_generators, f"step {n} trained on {rid} by cheat {gen}"
+            assert s["version"] == version, (rid, s["version"], version)
+            assert staleness(n, version) <= ASYNC_LEVEL, f"step {n}: {rid} is v{version}"
+    twice = [rid for rid, c in seen.items() if c > 1]
+    assert not twice, f"trained twice: {twice[:5]}"
+    assert samples, "nothing was trained on"
+    banned = {nid for nid, state in nodes.items() if state == "banned"}
+    cheats = cheat_generators | cheat_verifiers
+    assert cheats <= banned, f"not banned: {cheats - banned}"
+    assert not banned & honest, f"honest nodes banned: {banned & honest}"
+    statuses = Counter(status for status, _, _ in results.values())
+    return {
+        "requests": len(requests),
+        "trained_samples": samples,
+        "banned": len(banned),
+        **{f"results_{k}": v for k, v in statuses.items()},
+    }
+
+
+def pool_state(url: str) -> dict:
+    return httpx.get(f"{url}/v1/dashboard/state", timeout=10).json()

@@ -1,0 +1,168 @@
+"""What `prime-trainer rl` shows while a run goes and what it leaves at the end: a live view
+built from the children's metrics files (and, for a local swarm, the scheduler's
+dashboard state), and the end-of-run summary (`<run_dir>/summary.json` plus a table).
+
+Invariants: the view only reads (metrics files, one GET of the scheduler's state per
+refresh) and never fails the run: a scheduler that does not answer shows as such; the
+summary is computed from the same files a user can read afterwards.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import time
+from pathlib import Path
+
+import httpx
+from rich.console import Group, RenderableType
+from rich.table import Table
+
+from trainer.monitor import read_metrics
+
+
+def _fmt(x: float | None, spec: str = ".3f") -> str:
+    return "-" if x is None else format(x, spec)
+
+
+class RunView:
+    """A rich renderable of a running `rl` run; call `poll` before each refresh."""
+
+    def __init__(
+        self,
+        run_dir: Path,
+        max_steps: int,
+        scheduler_url: str | None = None,
+        names: dict[str, str] | None = None,
+    ):
+        self.run_dir = Path(run_dir)
+        self.max_steps = max_steps
+        self.scheduler_url = scheduler_url
+        self.names = names or {}
+        self.started = time.monotonic()
+        self.trained: list[dict] = []
+        self.made: list[dict] = []
+        self.pool: dict | None = None
+        self.phase = "starting"
+
+    def poll(self) -> None:
+        self.trained = read_metrics(self.run_dir, "trainer")
+        self.made = read_metrics(self.run_dir, "orchestrator")
+        if self.scheduler_url:
+            try:
+                r = httpx.get(f"{self.scheduler_url}/v1/dashboard/state", timeout=1.0)
+                self.pool = r.json() if r.status_code == 200 else None
+            except httpx.HTTPError:
+                self.pool = None
+
+    # -- pieces -------------------------------------------------------------------------
+    def _rollouts(self) -> dict[str, int]:
+        if not self.pool:
+            return {}
+        t = self.pool["totals"]
+        return {
+            "generated": sum(n["generated"] for n in self.pool["nodes"]),
+            "verified": t.get("verifications", 0),
+            "accepted": t.get("accepted", 0),
+            "rejected": t.get("rejections", 0),
+            "disputes": t.get("disputes", 0),
+            "banned": t.get("banned", 0),
+        }
+
+    def _run_table(self) -> Table:
+        t = self.trained[-1] if self.trained else {}
+        o = self.made[-1] if self.made else {}
+        step = t.get("step", 0)
+        table = Table(show_header=False, box=None, pad_edge=False)
+        table.add_column(style="bold")
+        table.add_column()
+        elapsed = time.monotonic() - self.started
+        table.add_row("run", f"{self.run_dir}  ({self.phase}, {elapsed:.0f} s)")
+        table.add_row("step", f"{step} / {self.max_steps}")
+        first = self.made[0]["reward_mean"] if self.made else None
+        table.add_row(
+            "reward",
+            f"{_fmt(o.get('reward_mean'))} (step 1: {_fmt(first)}, batch of "
+            f"{o.get('episodes', 0)} episodes)",
+        )
+        table.add_row(
+            "trainer",
+            f"loss {_fmt(t.get('loss'), '.4f')}  {_fmt(t.get('tokens_per_s'), '.0f')} tok/s  "
+            f"idle {_fmt(t.get('idle_s'), '.1f')} s/step",
+        )
+        if rollouts := self._rollouts():
+            gen_tps = sum(n["tokens_per_s"] for n in self.pool["nodes"] if n["state"] == "healthy")
+            table.add_row(
+                "rollouts",
+                "  ".join(f"{k} {v}" for k, v in rollouts.items()) + f"  ({gen_tps:.0f} tok/s)",
+            )
+        elif self.scheduler_url:
+            table.add_row("rollouts", "[yellow]scheduler not answering[/yellow]")
+        return table
+
+    def _nodes_table(self) -> Table | None:
+        if not self.pool:
+            return None
+        table = Table(title=f"pool {self.pool['pool_id']}: policy v{self.pool['weights_version']}")
+        for col in ("node", "state", "weights", "reputation", "generated", "verified", "tok/s"):
+            table.add_column(col, justify="left" if col in ("node", "state") else "right")
+        for n in self.pool["nodes"]:
+            state = n["state"]
+            style = {"healthy": "green", "banned": "red"}.get(state, "yellow")
+            table.add_row(
+                self.names.get(n["node_id"], n["node_id"][:12]),
+                f"[{style}]{state}[/{style}]",
+                f"v{n['weights_version']}",
+                f"{n['reputation']:.2f}",
+                str(n["generated"]),
+                str(n["verified"]),
+                f"{n['tokens_per_s']:.0f}",
+            )
+        return table
+
+    def __rich__(self) -> RenderableType:
+        parts: list[RenderableType] = [self._run_table()]
+        if (nodes := self._nodes_table()) is not None:
+            parts.append(nodes)
+        return Group(*parts)
+
+    # -- the end ----------------------------------------------------------------------
+    def summary(self, outcome: str) -> dict:
+        """What the run did, also written to `<run_dir>/summary.json`."""
+        rewards = [r["reward_mean"] for r in self.made]
+        fifth = max(1, len(rewards) // 5)
+        idle = [r.get("idle_s", 0.0) for r in self.trained[1:]]
+        busy = [r.get("step_time_s", 0.0) for r in self.trained[1:]]
+        out: dict = {
+            "outcome": outcome,
+            "wall_s": round(time.monotonic() - self.started, 1),
+            "steps": len(self.trained),
+            "reward_first_fifth": statistics.fmean(rewards[:fifth]) if rewards else None,
+            "reward_last_fifth": statistics.fmean(rewards[-fifth:]) if rewards else None,
+            "trainer_idle_fraction": sum(idle) / (sum(idle) + sum(busy)) if busy else None,
+            "stale_samples": sum(r.get("stale_dropped", 0) for r in self.trained),
+            **{f"rollouts_{k}": v for k, v in self._rollouts().items()},
+        }
+        if self.pool:
+            out["nodes"] = {
+                self.names.get(n["node_id"], n["node_id"]): {
+                    "state": n["state"],
+                    "weights_version": n["weights_version"],
+                }
+                for n in self.pool["nodes"]
+            }
+        (self.run_dir / "summary.json").write_text(json.dumps(out, indent=2))
+        return out
+
+
+def summary_table(summary: dict) -> Table:
+    table = Table(title="run summary", show_header=False)
+    table.add_column(style="bold")
+    table.add_column(justify="right")
+    for k, v in summary.items():
+        if k == "nodes":
+            v = ", ".join(f"{n} {s['state']} v{s['weights_version']}" for n, s in v.items())
+        elif isinstance(v, float):
+            v = f"{v:.3f}"
+        table.add_row(k.replace("_", " "), str(v))
+    return table

@@ -1,0 +1,147 @@
+"""The local swarm: the whole network on this machine, for `prime-trainer rl` with
+`local_swarm.enabled` (the README's main job).
+
+Owns everything of the local pool under `<run_dir>/swarm/`: the keys (owner, trainer,
+scheduler, one per worker), the owner-signed pool file, the scheduler's SQLite database
+and the workers' folders (logs, downloaded weights); and the command lines of the
+processes that make the pool: an optional SFT warm-up, `prime-scheduler serve` and
+`prime-node join` per worker. The launcher (trainer/launcher.py) runs them.
+
+Invariants: every process is a real CLI on loopback (no in-process shortcut), so the
+local swarm is the network a real pool runs, only smaller; the pool's trainer key is the
+run's trainer key, so workers accept the run's weights and nobody else's; everything is
+derived from the run directory, so `--ckpt.resume` on the same directory reuses the keys,
+the database and the warm-up model (nodes re-register on new ports).
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from protocol.identity import Identity
+from protocol.processes import free_port
+from trainer.config import RLConfig
+
+
+class LaunchError(RuntimeError):
+    """The local pool could not be set up (message says what to fix)."""
+
+
+@dataclass
+class Child:
+    """One process of a run, as the launcher starts it."""
+
+    name: str
+    cmd: list[str]
+    health_url: str = ""
+    """Answers 200 once the process serves ('' : nothing to wait for)."""
+    env: dict[str, str] = field(default_factory=dict)
+    service: bool = False
+    """A service never exits on its own: its exit, whatever the code, fails the run."""
+
+
+def _py(module: str, *args: str) -> list[str]:
+    return [sys.executable, "-m", module, *args]
+
+
+class LocalPool:
+    """The files and command lines of one run's local pool."""
+
+    def __init__(self, cfg: RLConfig):
+        self.cfg = cfg
+        self.ls = cfg.local_swarm
+        self.root = Path(cfg.run_dir) / "swarm"
+        self.keys = self.root / "keys"
+        self.port = free_port()
+        self.workers = [f"w{i}" for i in range(self.ls.workers)]
+        self.keys.mkdir(parents=True, exist_ok=True)
+        for name in ("owner", "trainer", "scheduler", *self.workers):
+            Identity.load_or_create(self.keys / f"{name}.key")
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    @property
+    def pool_file(self) -> Path:
+        return self.root / f"{self.ls.pool_id}.pool"
+
+    @property
+    def sft_model(self) -> Path:
+        return Path(self.cfg.run_dir) / "sft" / "final"
+
+    def names(self) -> dict[str, str]:
+        """Node id -> worker name, for the live view."""
+        return {Identity.load_or_create(self.keys / f"{w}.key").node_id: w for w in self.workers}
+
+    # -- steps before the pool starts -----------------------------------------------------
+    def sft(self) -> Child | None:
+        """The warm-up run, or None when not configured or already done (resume)."""
+        if self.ls.sft is None or (self.sft_model / "config.json").is_file():
+            return None
+        args = ["sft", "@", str(self.ls.sft), "--run-dir", str(self.sft_model.parent)]
+        args += ["--model.name", self.cfg.model.name, "--monitor.progress", "false"]
+        return Child("sft", _py("trainer.cli", *args))
+
+    def policy(self) -> str:
+        """What the pool serves at version 0 and the trainer starts from."""
+        return str(self.sft_model) if self.ls.sft is not None else self.cfg.model.name
+
+    def create_pool(self) -> Path:
+        """Sign the pool file with the owner key (the scheduler and the workers check it)."""
+        cmd = _py(
+            "scheduler.cli", "pool", "create", "@", str(self.ls.verification),
+            "--pool-id", self.ls.pool_id, "--model", self.policy(),
+            "--trainer", str(self.keys / "trainer.key"),
+            "--owner-key", str(self.keys / "owner.key"),
+            "--async-level", str(self.cfg.async_level),
+            "--out", str(self.pool_file), *self.ls.pool_args,
+        )  # fmt: skip
+        out = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+        if out.returncode:
+            raise LaunchError(f"prime-scheduler pool create failed:\n{out.stderr[-2000:]}")
+        return self.pool_file
+
+    # -- the pool's processes ---------------------------------------------------------
+    def scheduler(self) -> Child:
+        hb = self.ls.heartbeat_interval_s
+        cmd = _py(
+            "scheduler.cli", "serve", "--pool-file", str(self.pool_file),
+            "--key-file", str(self.keys / "scheduler.key"),
+            "--database.url", f"sqlite+aiosqlite:///{(self.root / 'scheduler.db').resolve()}",
+            "--server.port", str(self.port), "--log-dir", str(self.root / "scheduler"),
+            "--lifecycle.heartbeat-interval-s", str(hb),
+            "--lifecycle.unhealthy-after-s", str(5 * hb),
+            "--lifecycle.dead-after-s", str(15 * hb),
+        )  # fmt: skip
+        return Child("scheduler", cmd, f"{self.url}/health", service=True)
+
+    def worker(self, name: str) -> Child:
+        port = free_port()
+        cmd = _py(
+            "node.cli", "join", "--pool", self.ls.pool_id, "--scheduler", self.url,
+            "--key-file", str(self.keys / f"{name}.key"), "--operator", name,
+            "--server.port", str(port), "--log-dir", str(self.root / name),
+            "--weights.folder", str(self.root / name / "weights"),
+            "--weights.peer.upload-rate", str(self.ls.worker_upload_rate),
+            "--drain-timeout-s", "5",
+        )  # fmt: skip
+        # Two cores shared by every process: one thread each keeps them from fighting.
+        env = {"OMP_NUM_THREADS": "1"}
+        return Child(name, cmd, f"http://127.0.0.1:{port}/health", env, service=True)
+
+    def rl_config(self) -> RLConfig:
+        """The run's config pointed at this pool (the children get it resolved)."""
+        cfg = self.cfg
+        orch = cfg.orchestrator.model_copy(
+            update={
+                "pool": self.pool_file,
+                "scheduler": self.url,
+                "trainer_key": self.keys / "trainer.key",
+            }
+        )
+        model = cfg.model.model_copy(update={"name": self.policy()})
+        return cfg.model_copy(update={"orchestrator": orch, "model": model})
