@@ -194,6 +194,7 @@ def run_rl(cfg: RLConfig, console: Console) -> int:
         if cfg.monitor.plot:
             plot_run(cfg.run_dir)
     summary = view.summary(outcome)
+    console.print()
     if message:
         console.print(message)
     console.print(summary_table(summary))

@@ -66,7 +66,6 @@ class RunView:
             "accepted": t.get("accepted", 0),
             "rejected": t.get("rejections", 0),
             "disputes": t.get("disputes", 0),
-            "banned": t.get("banned", 0),
         }
 
     def _run_table(self) -> Table:
@@ -92,9 +91,11 @@ class RunView:
         )
         if rollouts := self._rollouts():
             gen_tps = sum(n["tokens_per_s"] for n in self.pool["nodes"] if n["state"] == "healthy")
+            banned = sum(n["state"] == "banned" for n in self.pool["nodes"])
             table.add_row(
                 "rollouts",
-                "  ".join(f"{k} {v}" for k, v in rollouts.items()) + f"  ({gen_tps:.0f} tok/s)",
+                "  ".join(f"{k} {v}" for k, v in rollouts.items())
+                + f"  ({gen_tps:.0f} tok/s; nodes banned {banned})",
             )
         elif self.scheduler_url:
             table.add_row("rollouts", "[yellow]scheduler not answering[/yellow]")
@@ -143,6 +144,8 @@ class RunView:
             "stale_samples": sum(r.get("stale_dropped", 0) for r in self.trained),
             **{f"rollouts_{k}": v for k, v in self._rollouts().items()},
         }
+        if self.pool:
+            out["nodes_banned"] = sum(n["state"] == "banned" for n in self.pool["nodes"])
         if self.pool:
             out["nodes"] = {
                 self.names.get(n["node_id"], n["node_id"]): {
