@@ -51,6 +51,7 @@ from protocol.messages import (
 
 if TYPE_CHECKING:  # torch-heavy: imported only once the pool checks passed
     from node.server import NodeServer
+    from node.swarm_weights import SwarmWeights
     from node.worker import Worker
 
 log = logging.getLogger("prime.node.join")
@@ -202,6 +203,9 @@ class PoolNode:
     # The worker class (None: node.worker.Worker, imported late so a refusal stays fast);
     # tests swap in dishonest subclasses (tests/adversary_node.py).
     worker_cls: type[Worker] | None = None
+    # Same for the weight-swarm peer (None: node.swarm_weights.SwarmWeights); tests swap in
+    # one that serves corrupted pieces.
+    swarm_cls: type[SwarmWeights] | None = None
 
     def __init__(self, cfg: JoinConfig, identity: Identity, session: aiohttp.ClientSession):
         self.cfg = cfg
@@ -297,7 +301,9 @@ class PoolNode:
             max_concurrent=cfg.server.max_concurrent_requests,
             rollout_cache_size=cfg.server.rollout_cache_size,
             callers=set(),  # nobody may send work until the scheduler is known
-            swarm=SwarmWeights.from_config(self.identity, cfg.weights, {pool.trainer_public_key}),
+            swarm=(self.swarm_cls or SwarmWeights).from_config(
+                self.identity, cfg.weights, {pool.trainer_public_key}
+            ),
         )
         if self.server.swarm is not None:  # the scheduler is the swarm's tracker
             self.server.swarm.tracker = TrackerClient(

@@ -37,6 +37,10 @@ log = logging.getLogger("prime.node.swarm")
 
 
 class SwarmWeights:
+    # The libp2p host class; tests swap in one that serves corrupted pieces
+    # (tests/adversaries.py, `corrupt-pieces`).
+    host_cls: type[SwarmHost] = SwarmHost
+
     def __init__(
         self,
         identity: Identity,
@@ -57,7 +61,7 @@ class SwarmWeights:
         self.keep_versions = keep_versions
         self.seeder_fallback_s = seeder_fallback_s
         self.announce_interval_s = announce_interval_s
-        self.host = SwarmHost(identity, cfg, trusted)
+        self.host = self.host_cls(identity, cfg, trusted)
         self.tracker: TrackerClient | None = None
         self.on_loaded: Callable[[], None] = lambda: None
         self.tasks: dict[str, asyncio.Task] = {}  # manifest hash -> fetch-and-load

@@ -416,6 +416,12 @@ class VerificationPolicy(Message):
 
     spot_check_rate: float = Field(1.0, ge=0.0, le=1.0)
     """Fraction of rollouts sent to a second worker (1.0 = all)."""
+    audit_rate: float = Field(0.0, ge=0.0, le=1.0)
+    """Fraction of verified rollouts that need two concurring verdicts: an acceptance (or
+    a judge's acceptance overturning a rejection) is re-checked by another worker before
+    release; when two disagree a third decides by majority and the minority loses
+    reputation (a verifier that accepted a bad rollout is punished like its generator).
+    1.0: no rollout is accepted, and no generator punished, on the word of one verifier."""
     proof: ProofParams = ProofParams()
     """Proof layout."""
     max_exp_mismatches: int = Field(38, ge=0)

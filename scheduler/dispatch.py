@@ -2,16 +2,40 @@
 after a rejection), and its outcome into the results stream exactly once.
 
 A `Job` is one open request. Its life: queued -> generating on node A -> (spot check) ->
-verifying on node B -> accepted: released; or rejected: a dispute judged by node C ->
-B overturned: released (B loses reputation); A wrong: A loses reputation and the job is
-queued again for another generator. Any failure of a node (connection, timeout, 5xx,
-death) sends the job elsewhere; after `max_attempts` generations it is released as failed.
+verifying on node B -> accepted: (audit, see below) released; or rejected: a dispute judged
+by node C -> B overturned: released (B loses reputation); A wrong: A loses reputation and
+the job is queued again for another generator. Any failure of a node (connection, timeout,
+5xx, death) sends the job elsewhere; after `max_attempts` generations it is released as
+failed.
+
+Audit (`VerificationPolicy.audit_rate`): with that probability a rollout is released as
+accepted only when two verifiers accepted it, and a generator is punished only when two
+rejected it. An accepting first verdict is checked by an auditor (neither A nor B) before
+anything is released; an overturned rejection (B rejected, judge C accepted) is audited by
+a fourth node. Whenever two verifiers disagree, a third decides by majority and the
+minority loses reputation: an auditor that rejected an honest rollout, or a verifier that
+accepted a rollout two others rejected (punished like its generator: this is what catches
+a verifier that accepts everything). A rejected job is released as rejected (OpenAI
+calls) or queued again (dispatch). With audit_rate 1.0 a cheating generator's rollout is
+released only if two verifiers lie for it.
+
+Cheap checks before any verifier runs (`_check_rollout`): the signed rollout must answer
+exactly the request (id, seed, sampling, prompt, proof layout, min_version), and its
+(weights_version, weights_hash) must be what the trainer published for that version (the
+scheduler keeps every `WeightUpdate` it relays: `note_published`); a rollout claiming a
+version newer than any published is a lie too. Version 0 (the pool's base model, never
+published as an update) and updates published without a hash are not checked here; the
+verifier, who holds the weights of the claimed hash, checks what was generated.
+
+Timeouts: a node that lets `TIMEOUTS_BEFORE_BENCH` calls in a row time out (it heartbeats
+but never answers) is benched: unhealthy, no work, whatever its heartbeats say, for
+`BENCH_S` (doubling with every further timeout); one answered call clears its record.
 
 Invariants:
 - A job is released (into `scheduler.results`) at most once: a job leaves `jobs` before its
   release is written, and the database refuses a second result for a request id.
 - Nothing is released from a banned generator, and nothing unverified unless the pool's
-  spot-check rate says so.
+  spot-check rate says so; nothing is released before its audit (when drawn) returned.
 - Every verdict received is written to the audit table with the generator's signed
   rollout and the verifier's signed verdict.
 - Restart: every request without a result is re-dispatched (or, for an OpenAI-endpoint
@@ -57,6 +81,10 @@ from scheduler.results import AlreadyReleased, ResultsStream
 
 log = logging.getLogger("prime.scheduler.dispatch")
 Source = Literal["dispatch", "openai"]
+VerdictKind = Literal["verify", "dispute", "audit"]
+TIMEOUTS_BEFORE_BENCH = 3
+BENCH_S = 60.0
+MAX_BENCH_S = 3600.0
 
 
 class Saturated(Exception):
@@ -147,6 +175,10 @@ class Dispatcher:
             "banned": 0,
         }
         self.recent_verdicts: deque[dict] = deque(maxlen=50)
+        # Weights version -> manifest hashes ('' when published without one) of every
+        # trainer-signed `WeightUpdate` the scheduler relayed (see `note_published`); a
+        # version republished under another manifest keeps both.
+        self.published: dict[int, set[str]] = {}
         self.results = ResultsStream(engine, writer)
         # Statements are built once: the writer batches consecutive writes of one statement.
         self.insert_request = db.insert_ignoring_duplicates(engine, db.requests)
@@ -357,6 +389,7 @@ class Dispatcher:
             done, _ = await asyncio.wait({task}, timeout=timeout_s)
             if not done:
                 task.cancel()
+                self.note_timeout(node)
                 raise NodeFailed(f"{node.label} did not answer {route} within {timeout_s:.0f} s")
             if task.cancelled():
                 raise NodeFailed(f"{node.label} died during {route}")
@@ -367,6 +400,7 @@ class Dispatcher:
                 self._note_failure(node)
                 raise NodeFailed(f"{node.label} unreachable for {route}: {exc!r}")
             node.failures = 0
+            node.timeouts = 0
             return task.result()
         finally:
             node.in_flight -= reserve
@@ -378,6 +412,24 @@ class Dispatcher:
         if node.failures >= 3 and node.state == "healthy":
             node.state = "unhealthy"
             log.warning("%s failed 3 calls in a row: unhealthy until it heartbeats", node.label)
+
+    def note_timeout(self, node: NodeRecord) -> None:
+        """A call to `node` timed out. Heartbeats do not clear this record (a node that
+        heartbeats but never answers is exactly what it catches); an answered call does."""
+        node.timeouts += 1
+        if node.timeouts < TIMEOUTS_BEFORE_BENCH or node.state == "banned":
+            return
+        bench = min(MAX_BENCH_S, BENCH_S * 2 ** (node.timeouts - TIMEOUTS_BEFORE_BENCH))
+        node.benched_until = time.time() + bench
+        if node.state in ("healthy", "registered"):
+            node.state = "unhealthy"
+            self.persist_node(node)
+        log.warning(
+            "%s let %d calls in a row time out: no work for %.0f s",
+            node.label,
+            node.timeouts,
+            bench,
+        )
 
     def node_died(self, node: NodeRecord) -> None:
         """Cancel every call in flight to a dead node; their jobs go elsewhere."""
@@ -421,6 +473,20 @@ class Dispatcher:
                 gen.unsettled -= 1
                 self.kick()
 
+    def note_published(self, version: int, weights_hash: str) -> set[str]:
+        """The trainer published `version` with this manifest hash (the scheduler relays
+        it); returns every hash known for that version."""
+        known = self.published.setdefault(version, set())
+        known.add(weights_hash)
+        return known
+
+    def _weights_claim_ok(self, version: int, weights_hash: str) -> bool:
+        """Whether (version, hash) can be what the trainer published (see the module doc)."""
+        known = self.published.get(version)
+        if known is None:
+            return version == 0 or version <= max(self.published, default=0)
+        return "" in known or weights_hash in known
+
     def _check_rollout(self, raw: bytes, gen: NodeRecord, request: RolloutRequest) -> Rollout:
         """Cheap checks the scheduler can make itself before anyone spends a prefill."""
         try:
@@ -440,6 +506,7 @@ class Dispatcher:
                 ("prompt", r.prompt_ids == request.prompt_ids),
                 ("min_version", r.weights_version >= request.min_version),
                 ("proof layout", r.proof_params == request.proof),
+                ("weights", self._weights_claim_ok(r.weights_version, r.weights_hash)),
             )
             if not ok
         ]
@@ -467,12 +534,37 @@ class Dispatcher:
         if first is None:
             self._give_up_verification(job, gen, "no eligible verifier")
             return
+        audited = random.random() < self.pool.config.verification.audit_rate
         if first.verdict.accepted:
-            self.registry.reward(gen)
-            self.registry.reward(first.node)
-            await self._release(
-                job, "accepted", "", raw, [first.envelope], rollout, gen.node_id, gen
-            )
+            if not audited:
+                self.registry.reward(gen)
+                self.registry.reward(first.node)
+                await self._release(
+                    job, "accepted", "", raw, [first.envelope], rollout, gen.node_id, gen
+                )
+                return
+            audit = await self._judge("audit", rollout, raw, request, exclude=[gen, first.node])
+            if audit is None:
+                self._give_up_verification(job, gen, "accepted, but no eligible auditor")
+                return
+            if audit.verdict.accepted:
+                for node in (gen, first.node, audit.node):
+                    self.registry.reward(node)
+                await self._release(
+                    job,
+                    "accepted",
+                    "",
+                    raw,
+                    [first.envelope, audit.envelope],
+                    rollout,
+                    gen.node_id,
+                    gen,
+                )
+                return
+            self.totals["disputes"] += 1
+            # Settled even if the generator was banned meanwhile: the outcome also says
+            # whether the first verifier lied.
+            await self._settle(job, gen, rollout, raw, request, "dispute", yes=first, no=audit)
             return
         self.totals["disputes"] += 1
         if gen.state == "banned":  # banned meanwhile: no need to settle this one
@@ -483,7 +575,10 @@ class Dispatcher:
             # Nobody can settle it: punish no one, trust nothing from this rollout.
             self._give_up_verification(job, gen, "rejected, and no judge for the dispute")
             return
-        if judge.verdict.accepted:
+        if judge.verdict.accepted and audited:
+            # One verdict each way: the audit of the judge's acceptance decides.
+            await self._settle(job, gen, rollout, raw, request, "audit", yes=judge, no=first)
+        elif judge.verdict.accepted:
             self.metrics.observe_dispute("verifier")
             self._punish(first.node, "lost a dispute: rejected an honest rollout")
             self.registry.reward(gen)
@@ -515,6 +610,46 @@ class Dispatcher:
             else:
                 self._requeue(job, f"rollout from {gen.label} rejected in a dispute")
 
+    async def _settle(
+        self,
+        job: Job,
+        gen: NodeRecord,
+        rollout: Rollout,
+        raw: bytes,
+        request: RolloutRequest | None,
+        kind: VerdictKind,
+        yes: Judged,
+        no: Judged,
+    ) -> None:
+        """Two verifiers disagree (`yes` accepted, `no` rejected) in an audited rollout: a
+        third node decides by majority, and the side in the minority loses reputation; a
+        verifier that accepted a rollout two others rejected is punished like its
+        generator (this is what catches a verifier that accepts everything unchecked)."""
+        third = await self._judge(kind, rollout, raw, request, exclude=[gen, yes.node, no.node])
+        if third is None:
+            self._give_up_verification(job, gen, "verifiers disagree, and no third to settle it")
+            return
+        first, second = (yes, no) if kind == "dispute" else (no, yes)  # in the order asked
+        envelopes = [first.envelope, second.envelope, third.envelope]
+        if third.verdict.accepted:
+            self.metrics.observe_dispute("verifier")
+            self._punish(no.node, "lost a dispute: rejected an honest rollout")
+            for node in (gen, yes.node, third.node):
+                self.registry.reward(node)
+            await self._release(job, "accepted", "", raw, envelopes, rollout, gen.node_id, gen)
+            return
+        self.metrics.observe_dispute("generator")
+        self.registry.reward(no.node)
+        self.registry.reward(third.node)
+        job.tried.add(gen.node_id)
+        self._punish(yes.node, "lost a dispute: accepted a rollout that two verifiers rejected")
+        self._punish(gen, "lost a dispute: its rollout was rejected by two verifiers")
+        if job.source == "openai":
+            reasons = "; ".join(third.verdict.reasons)
+            await self._release(job, "rejected", reasons, raw, envelopes, rollout, gen.node_id)
+        else:
+            self._requeue(job, f"rollout from {gen.label} rejected by two of three verifiers")
+
     def _give_up_verification(self, job: Job, gen: NodeRecord, why: str) -> None:
         job.tried.add(gen.node_id)
         if job.source == "openai":
@@ -524,7 +659,7 @@ class Dispatcher:
 
     async def _judge(
         self,
-        kind: Literal["verify", "dispute"],
+        kind: VerdictKind,
         rollout: Rollout,
         raw: bytes,
         request: RolloutRequest | None,
@@ -692,4 +827,13 @@ class Dispatcher:
         self.jobs[request_id] = job
         self.totals["submitted"] += 1
         rollout = open_envelope(raw, Rollout, check_expiry=False).message
+        if not self._weights_claim_ok(rollout.weights_version, rollout.weights_hash):
+            self._punish(gen, "signed a rollout claiming weights the trainer never published")
+            self._spawn(
+                job,
+                self._release(
+                    job, "rejected", "weights never published", raw, [], rollout, gen.node_id
+                ),
+            )
+            return
         self._spawn(job, self._verify_and_release(job, gen, rollout, raw, None))

@@ -8,7 +8,7 @@ leave; banned (reputation under the pool's threshold) is final.
 
 Invariants:
 - Only `healthy` nodes get new work; a banned node never gets work again, whatever it
-  sends later.
+  sends later; a benched node (calls timed out, `benched_until`) not before its bench ends.
 - Probation: a node gets at most `probation` rollouts under way (being generated, or
   generated and awaiting their verdict) plus one per rollout of its that was accepted
   (since this scheduler started), up to its own capacity; a cheater therefore has only a
@@ -63,6 +63,8 @@ class NodeRecord:
     in_flight: int = 0
     unsettled: int = 0  # generated rollouts still waiting for their verdict
     failures: int = 0
+    timeouts: int = 0  # calls in a row that timed out (heartbeats do not clear it)
+    benched_until: float = 0.0  # unix time: no work before it (see Dispatcher.note_timeout)
     outstanding_tokens: int = 0
     stats: dict[str, int] = field(default_factory=dict)
     generated: int = 0
@@ -129,7 +131,8 @@ class Registry:
     # -- lifecycle -------------------------------------------------------------------
     def seen(self, node: NodeRecord, now: float | None = None) -> None:
         node.last_seen = now or time.time()
-        if node.state in ("registered", "unhealthy"):
+        # A benched node (its calls time out) stays out of work however well it heartbeats.
+        if node.state in ("registered", "unhealthy") and node.last_seen >= node.benched_until:
             node.state = "healthy"
 
     def sweep(self, now: float, unhealthy_after: float, dead_after: float) -> list[NodeRecord]:

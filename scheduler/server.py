@@ -15,7 +15,8 @@ Invariants:
 - Every signed route checks signature, expiry and replay (nonce) before anything else,
   then the sender's rate limit; per-address limits apply to every route.
 - Node state that matters (admission, state, reputation, bans) is written to the database;
-  heartbeats are kept in memory and written in batches.
+  heartbeats are kept in memory and written in batches. Every published weights version's
+  hash is kept (kv `weights/<version>`) so rollouts are checked against it after a restart.
 - A node silent past `unhealthy_after_s` gets no work; past `dead_after_s` it is dead and
   its in-flight work is re-dispatched.
 - Replicas: only the holder of the database lease loads state and serves; a standby answers
@@ -74,6 +75,9 @@ SEEN_FLUSH_S = 5.0
 LEASE = "scheduler"
 STANDBY_ROUTES = frozenset({"/health", "/v1/pool"})
 EXIT_LOST_LEASE = 75
+# kv keys "weights/<version>" hold the manifest hashes (comma-separated) the trainer
+# published for a version.
+PUBLISHED_PREFIX = "weights/"
 
 
 class SchedulerServer:
@@ -215,6 +219,18 @@ class SchedulerServer:
             weights = (
                 await conn.execute(select(db.kv.c.value).where(db.kv.c.key == "weights"))
             ).scalar()
+            published = (
+                await conn.execute(
+                    select(db.kv.c.key, db.kv.c.value).where(
+                        db.kv.c.key.startswith(PUBLISHED_PREFIX)
+                    )
+                )
+            ).all()
+        for key, value in published:
+            for weights_hash in value.decode().split(","):
+                self.dispatcher.note_published(
+                    int(key.removeprefix(PUBLISHED_PREFIX)), weights_hash
+                )
         for r in rows:
             node = NodeRecord(**{k: v for k, v in r._mapping.items() if k != "pool_id"})
             # A restart is not the nodes' fault: give them a fresh heartbeat window.
@@ -228,6 +244,7 @@ class SchedulerServer:
         update = open_envelope(envelope, WeightUpdate, check_expiry=False).message
         self.weights_envelope = envelope
         self.weights_version = update.version
+        self.dispatcher.note_published(update.version, update.weights_hash)
 
     # -- middleware and helpers -------------------------------------------------------
     @web.middleware
@@ -434,8 +451,19 @@ class SchedulerServer:
             raise web.HTTPConflict(
                 text=f"version {opened.message.version} is older than the pool's {self.weights_version}"
             )
-        await self.writer.write(
-            db.upsert_stmt(self.engine, db.kv), {"key": "weights", "value": raw}
+        update = opened.message
+        upsert = db.upsert_stmt(self.engine, db.kv)
+        # Every version's hashes stay on record: rollouts of older versions are checked too.
+        hashes = self.dispatcher.note_published(update.version, update.weights_hash)
+        await asyncio.gather(
+            self.writer.write(upsert, {"key": "weights", "value": raw}),
+            self.writer.write(
+                upsert,
+                {
+                    "key": f"{PUBLISHED_PREFIX}{update.version}",
+                    "value": ",".join(sorted(hashes)).encode(),
+                },
+            ),
         )
         self._set_weights(raw)
         log.info("pool weights are now version %d", self.weights_version)

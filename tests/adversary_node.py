@@ -1,7 +1,8 @@
 """A dishonest node process, for tests only: `python -m tests.adversary_node KIND <join flags>`.
 
-It is the real `prime-node join` (server, registration, heartbeats, leave) with the worker
-replaced by one of `tests.adversaries.DISHONEST_WORKERS`.
+It is the real `prime-node join` (server, registration, heartbeats, weight swarm, leave)
+with the worker replaced by one of `tests.adversaries.DISHONEST_WORKERS` (and, for a kind
+whose worker class names a `swarm_cls`, the weight-swarm peer replaced too).
 """
 
 from __future__ import annotations
@@ -18,7 +19,11 @@ from tests.adversaries import DISHONEST_WORKERS
 
 def main(argv: list[str]) -> None:
     kind, args = argv[0], argv[1:]
-    node_cls = type(f"Dishonest[{kind}]", (PoolNode,), {"worker_cls": DISHONEST_WORKERS[kind]})
+    worker_cls = DISHONEST_WORKERS[kind]
+    hooks: dict = {"worker_cls": worker_cls}
+    if hasattr(worker_cls, "swarm_cls"):
+        hooks["swarm_cls"] = worker_cls.swarm_cls()
+    node_cls = type(f"Dishonest[{kind}]", (PoolNode,), hooks)
     setup_logging()
     try:
         asyncio.run(run(load_config(JoinConfig, args), node_cls=node_cls))

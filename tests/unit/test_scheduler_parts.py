@@ -4,6 +4,7 @@ config validation."""
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import contextlib
 import sys
@@ -229,6 +230,12 @@ def test_configs_fail_fast_with_clear_messages(tmp_path):
         )
     with pytest.raises(ConfigError, match="trainer must be a node id"):
         load_config(PoolCreateConfig, ["--pool-id", "p", "--trainer", "not-a-key"])
+    # `pool create` takes the audit rate like every verification field, checked in 0..1.
+    pool_args = ["--pool-id", "p", "--trainer", Identity.generate().node_id]
+    cfg = load_config(PoolCreateConfig, [*pool_args, "--verification.audit_rate", "0.25"])
+    assert cfg.verification.audit_rate == 0.25
+    with pytest.raises(ConfigError, match="audit_rate"):
+        load_config(PoolCreateConfig, [*pool_args, "--verification.audit_rate", "1.5"])
 
 
 def test_scheduler_never_imports_torch():
@@ -286,3 +293,217 @@ def test_probation_limits_a_new_node_until_its_rollouts_are_accepted():
     n.in_flight = 100
     assert reg.pick_generator(0) is None
     assert Registry(ReputationPolicy(), probation=0).probation == 0
+
+
+# -- dispatch: audits, the published-weights check, timeouts ---------------------------
+
+
+def _dispatcher(tmp_path, audit_rate: float = 1.0):
+    """A `Dispatcher` that is never started: `_judge` and the release side are scripted."""
+    from protocol.messages import VerificationPolicy
+    from scheduler.config import DispatchConfig
+    from scheduler.dispatch import Dispatcher
+    from scheduler.metrics import SchedulerMetrics
+
+    config = PoolConfig(
+        pool_id="p",
+        model="tiny",
+        trainer_public_key=Identity.generate().public_key,
+        verification=VerificationPolicy(audit_rate=audit_rate),
+    )
+    pool = open_pool(sign_pool(Identity.generate(), config))
+    engine = db.create_engine(f"sqlite+aiosqlite:///{tmp_path / 'd.db'}")
+    registry = Registry(ReputationPolicy(), probation=0)
+    writer = db.Writer(engine, 0.01)
+    d = Dispatcher(
+        pool, Identity.generate(), registry, engine, writer, DispatchConfig(), SchedulerMetrics()
+    )
+    d.released, d.requeued, d.asked = [], [], []
+
+    async def release(job, status, detail, raw=b"", envelopes=None, *rest, **kw):
+        d.released.append((status, list(envelopes or [])))
+
+    d._release = release
+    d._requeue = lambda job, why: d.requeued.append(why)
+    d._spawn = lambda job, coro: asyncio.ensure_future(coro)
+    return d, registry
+
+
+def _script(d, registry, verdicts: list[bool]):
+    """`_judge` answers from `verdicts` in turn, each from a new node (v1, v2, ...)."""
+    from scheduler.dispatch import Judged
+
+    answers = iter(verdicts)
+
+    async def judge(kind, rollout, raw, request, exclude):
+        accepted = next(answers)
+        n = node(len(d.asked) + 1)
+        registry.add(n)
+        assert all(e.node_id != n.node_id for e in exclude)
+        d.asked.append((kind, n, accepted))
+        verdict = type("V", (), {"accepted": accepted, "reasons": [] if accepted else ["bad"]})
+        return Judged(n, verdict, f"env-{kind}-{n.node_id}".encode())
+
+    d._judge = judge
+
+
+def _job(source: str = "dispatch"):
+    from protocol.messages import RolloutSpec, SamplingParams
+    from scheduler.dispatch import Job
+
+    spec = RolloutSpec(request_id="r", prompt_ids=[1, 2], sampling=SamplingParams())
+    return Job("r", source, spec, 1, 0.0)
+
+
+async def test_audit_catches_a_verifier_that_accepted_a_bad_rollout(tmp_path):
+    d, registry = _dispatcher(tmp_path)
+    gen = node(0)
+    registry.add(gen)
+    d.jobs["r"] = job = _job()
+    # first accepts (a liar), the audit rejects, the judge rejects: both liars punished.
+    _script(d, registry, [True, False, False])
+    await d._verify_and_release(job, gen, None, b"raw", None)
+    kinds = [k for k, _, _ in d.asked]
+    assert kinds == ["verify", "audit", "dispute"]
+    first, auditor, judge = (n for _, n, _ in d.asked)
+    assert gen.reputation == first.reputation == 0.75
+    assert auditor.reputation == judge.reputation == 1.0
+    assert d.released == [] and d.requeued and "two of three" in d.requeued[0]
+    assert "n0" in job.tried
+    # The same through the OpenAI endpoint: released as rejected, with all three verdicts.
+    d.requeued.clear()
+    d.jobs["r"] = job = _job("openai")
+    _script(d, registry, [True, False, False])
+    await d._verify_and_release(job, gen, None, b"raw", None)
+    assert [s for s, _ in d.released] == ["rejected"] and len(d.released[0][1]) == 3
+
+
+async def test_audit_overturned_punishes_the_auditor_and_releases(tmp_path):
+    d, registry = _dispatcher(tmp_path)
+    gen = node(0)
+    registry.add(gen)
+    d.jobs["r"] = job = _job()
+    _script(d, registry, [True, False, True])
+    await d._verify_and_release(job, gen, None, b"raw", None)
+    first, auditor, judge = (n for _, n, _ in d.asked)
+    assert auditor.reputation == 0.75 and first.reputation == gen.reputation == 1.0
+    assert d.released == [("accepted", [b"env-verify-n1", b"env-audit-n2", b"env-dispute-n3"])]
+    # An upheld acceptance is released with both verdicts; nobody punished.
+    d.released.clear()
+    d.asked.clear()
+    d.jobs["r"] = job = _job()
+    _script(d, registry, [True, True])
+    await d._verify_and_release(job, gen, None, b"raw", None)
+    assert [k for k, _, _ in d.asked] == ["verify", "audit"]
+    assert d.released == [("accepted", [b"env-verify-n1", b"env-audit-n2"])]
+
+
+async def test_an_overturned_rejection_is_audited_too(tmp_path):
+    d, registry = _dispatcher(tmp_path)
+    gen = node(0)
+    registry.add(gen)
+    d.jobs["r"] = job = _job()
+    # first rejects, the judge accepts (a liar for an accomplice), the audit rejects.
+    _script(d, registry, [False, True, False])
+    await d._verify_and_release(job, gen, None, b"raw", None)
+    assert [k for k, _, _ in d.asked] == ["verify", "dispute", "audit"]
+    first, judge, auditor = (n for _, n, _ in d.asked)
+    assert judge.reputation == gen.reputation == 0.75 and first.reputation == 1.0
+    assert d.released == [] and d.requeued
+    # first rejects (a liar), judge and audit accept: the first verifier loses.
+    d.asked.clear()
+    d.jobs["r"] = job = _job()
+    _script(d, registry, [False, True, True])
+    await d._verify_and_release(job, gen, None, b"raw", None)
+    first, judge, auditor = (n for _, n, _ in d.asked)
+    assert first.reputation == 0.75 and judge.reputation == auditor.reputation == 1.0
+    assert d.released == [("accepted", [b"env-verify-n1", b"env-dispute-n2", b"env-audit-n3"])]
+
+
+async def test_no_audit_at_rate_zero_and_no_release_without_an_auditor(tmp_path):
+    d, registry = _dispatcher(tmp_path, audit_rate=0.0)
+    gen = node(0)
+    registry.add(gen)
+    d.jobs["r"] = job = _job()
+    _script(d, registry, [True])
+    await d._verify_and_release(job, gen, None, b"raw", None)
+    assert [k for k, _, _ in d.asked] == ["verify"] and d.released[0][0] == "accepted"
+    # Audit drawn but nobody to audit: nothing is released, the job goes elsewhere.
+    d, registry = _dispatcher(tmp_path / "b")
+    registry.add(gen)
+    d.jobs["r"] = job = _job()
+    first = iter([True])
+
+    async def judge(kind, *args, **kw):
+        from scheduler.dispatch import Judged
+
+        if kind == "verify" and next(first, False):
+            return Judged(node(1), type("V", (), {"accepted": True}), b"v")
+        return None
+
+    d._judge = judge
+    await d._verify_and_release(job, gen, None, b"raw", None)
+    assert d.released == [] and d.requeued == ["accepted, but no eligible auditor"]
+
+
+async def test_rollout_weights_must_be_what_the_trainer_published(tmp_path):
+    d, _ = _dispatcher(tmp_path)
+    ok = d._weights_claim_ok
+    assert ok(0, "base") and not ok(1, "x")  # nothing published: only the base model
+    d.note_published(1, "h1")
+    d.note_published(2, "")  # published without a hash (filesystem transport)
+    assert ok(0, "base") and ok(1, "h1") and ok(2, "anything")
+    assert not ok(1, "h2")  # version 1 with another hash
+    assert not ok(3, "h3")  # a version never published
+    d.note_published(1, "h1b")  # republished under another manifest: both hold
+    assert ok(1, "h1") and ok(1, "h1b")
+
+
+async def test_scheduler_rebuilds_the_published_map_after_a_restart(tmp_path):
+    from protocol.envelope import seal
+    from protocol.messages import WeightUpdate
+    from scheduler.server import PUBLISHED_PREFIX, SchedulerServer
+
+    trainer, owner = Identity.generate(), Identity.generate()
+    config = PoolConfig(pool_id="p", model="tiny", trainer_public_key=trainer.public_key)
+    (tmp_path / "p.pool").write_bytes(sign_pool(owner, config))
+    url = f"sqlite+aiosqlite:///{tmp_path / 's.db'}"
+    cfg = load_config(
+        SchedulerConfig, ["--pool-file", str(tmp_path / "p.pool"), "--database.url", url]
+    )
+    server = SchedulerServer(cfg, Identity.generate())
+    await db.migrate(server.engine, url)
+    latest = seal(trainer, WeightUpdate(version=3, path="/w", weights_hash="h3"))
+    async with server.engine.begin() as conn:
+        await conn.execute(db.kv.insert(), [{"key": "weights", "value": latest}])
+        await conn.execute(
+            db.kv.insert(),
+            [
+                {"key": f"{PUBLISHED_PREFIX}1", "value": b"h1"},
+                {"key": f"{PUBLISHED_PREFIX}2", "value": b"h2,h2b"},  # republished
+            ],
+        )
+    await server._load_state()
+    await server.engine.dispose()
+    assert server.dispatcher.published == {1: {"h1"}, 2: {"h2", "h2b"}, 3: {"h3"}}
+
+
+async def test_a_node_whose_calls_time_out_is_benched_despite_heartbeats(tmp_path):
+    import time
+
+    from scheduler.dispatch import BENCH_S, TIMEOUTS_BEFORE_BENCH
+
+    d, registry = _dispatcher(tmp_path)
+    n = node(0)
+    registry.add(n)
+    for _ in range(TIMEOUTS_BEFORE_BENCH - 1):
+        d.note_timeout(n)
+    assert n.state == "healthy"
+    d.note_timeout(n)
+    assert n.state == "unhealthy" and n.benched_until > time.time() + BENCH_S - 5
+    registry.seen(n)  # it heartbeats, but its calls still time out: no work
+    assert n.state == "unhealthy" and registry.pick_generator(0) is None
+    registry.seen(n, now=n.benched_until + 1)  # the bench is over: one more chance
+    assert n.state == "healthy"
+    d.note_timeout(n)  # and it failed again: benched twice as long
+    assert n.benched_until > time.time() + 2 * BENCH_S - 5
