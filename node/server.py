@@ -8,7 +8,10 @@ Routes:
   POST /v1/verify (a `VerifyRequest` -> signed `Verdict`);
 - weights: POST /v1/weights/update and /v1/weights/reload, accepted only when signed by a
   trusted key (the pool's trainer);
-- GET /health.
+- GET /health: status, node id, weights version and hash, outstanding requests, `stats`
+  (counts of generated / verified / accepted / rejected rollouts) and `busy_s`, the
+  seconds spent generating and verifying since start (`{"generate": s, "verify": s}`,
+  see `node.worker`).
 
 In a pool (`prime-node join`) the proof routes take work only from the scheduler:
 `callers` holds the keys allowed to sign rollout and verify requests (None = anyone, as a
@@ -174,6 +177,7 @@ class NodeServer:
                 "weights_hash": engine.weights_hash,
                 "outstanding": self.worker.outstanding,
                 "stats": self.worker.stats,
+                "busy_s": {k: round(v, 6) for k, v in self.worker.busy_s.items()},
             }
         )
 

@@ -9,13 +9,24 @@ and the verification thresholds. Invariants:
   names is rejected without running the model.
 - Requests that cannot fit (prompt + max_tokens > max_model_len, token id outside the
   vocabulary) are refused before they reach the engine.
+
+Accounting: `busy_s` holds the seconds this node has spent on each kind of work since it
+started: `generate` (engine generation batches, then building each rollout's proof) and
+`verify` (engine prefill + sampling replay batches, then each verdict's checks). Wall
+time of the work itself, queueing excluded; the engine thread and the post-processing
+threads may overlap, so the sum can exceed wall time on a busy node. The server reports
+it on `GET /health`.
 """
 
 from __future__ import annotations
 
 import asyncio
+import threading
+import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from typing import Literal, TypeVar
 
 import torch
 
@@ -34,6 +45,8 @@ from protocol.messages import (
 from verifier.checks import check_rollout, replay_rollouts
 from verifier.proofs import build_proof
 from verifier.sampling import ReplayResult
+
+T = TypeVar("T")
 
 
 class RequestRejected(ValueError):
@@ -120,6 +133,9 @@ class Worker:
         # Tokens of accepted requests not answered yet (prompt + max_tokens for a generation,
         # prompt + completion for a verification): the load the node reports to the scheduler.
         self.outstanding_tokens = 0
+        # Seconds of work by kind (module docstring); added to from several threads.
+        self.busy_s = {"generate": 0.0, "verify": 0.0}
+        self._busy_lock = threading.Lock()
 
     @property
     def node_id(self) -> str:
@@ -133,6 +149,15 @@ class Worker:
         await self.gen_batcher.stop()
         await self.prefill_batcher.stop()
         self.executor.shutdown(wait=False, cancel_futures=True)
+
+    def _timed(self, kind: Literal["generate", "verify"], fn: Callable[[], T]) -> T:
+        """Run `fn` and add its wall time to `busy_s[kind]`."""
+        t0 = time.perf_counter()
+        try:
+            return fn()
+        finally:
+            with self._busy_lock:
+                self.busy_s[kind] += time.perf_counter() - t0
 
     @property
     def outstanding(self) -> int:
@@ -163,8 +188,11 @@ class Worker:
             result = done.result
             rollout = await asyncio.get_running_loop().run_in_executor(
                 None,
-                lambda: make_rollout(
-                    request, result, self.node_id, done.version, done.weights_hash
+                lambda: self._timed(
+                    "generate",
+                    lambda: make_rollout(
+                        request, result, self.node_id, done.version, done.weights_hash
+                    ),
                 ),
             )
         finally:
@@ -177,14 +205,20 @@ class Worker:
         """Engine thread: the version read here is the one the batch runs with (swaps happen
         on this thread too, between batches)."""
         version, weights_hash = self.engine.weights_version, self.engine.weights_hash
-        return [Generated(r, version, weights_hash) for r in self.engine.generate(requests)]
+        results = self._timed("generate", lambda: self.engine.generate(requests))
+        return [Generated(r, version, weights_hash) for r in results]
 
     # -- verification --------------------------------------------------------------
     def _prefill_and_replay(self, rollouts: list[Rollout]) -> list[Replayed]:
         """Engine thread: one prefill and one batched sampling replay for a batch of rollouts."""
         weights_hash = self.engine.weights_hash  # under the engine thread: no swap in between
-        pre = self.engine.prefill([(r.prompt_ids, r.completion_ids) for r in rollouts])
-        reps = replay_rollouts(rollouts, [p.logits for p in pre], self.policy.support_tolerance)
+
+        def run() -> tuple[list, list[ReplayResult | None]]:
+            pre = self.engine.prefill([(r.prompt_ids, r.completion_ids) for r in rollouts])
+            tol = self.policy.support_tolerance
+            return pre, replay_rollouts(rollouts, [p.logits for p in pre], tol)
+
+        pre, reps = self._timed("verify", run)
         return [
             Replayed(rep, p.hidden_states, weights_hash) for rep, p in zip(reps, pre, strict=True)
         ]
@@ -224,15 +258,18 @@ class Worker:
             tok = self.engine.tokenizer
             checks = await asyncio.get_running_loop().run_in_executor(
                 None,
-                lambda: check_rollout(
-                    rollout,
-                    done.replay,
-                    done.hidden_states,
-                    self.policy,
-                    weights_hash=done.weights_hash,
-                    eos_ids=self.engine.eos_token_ids,
-                    decode=lambda ids: tok.decode(ids, skip_special_tokens=False),
-                    request=request.request,
+                lambda: self._timed(
+                    "verify",
+                    lambda: check_rollout(
+                        rollout,
+                        done.replay,
+                        done.hidden_states,
+                        self.policy,
+                        weights_hash=done.weights_hash,
+                        eos_ids=self.engine.eos_token_ids,
+                        decode=lambda ids: tok.decode(ids, skip_special_tokens=False),
+                        request=request.request,
+                    ),
                 ),
             )
         verdict = Verdict(

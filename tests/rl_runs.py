@@ -1,7 +1,8 @@
 """Test and benchmark helper: a whole RL run on this machine. SFT warm-up of the tiny
 model on reverse-text, a real pool on loopback (scheduler + workers serving the SFT
 model, fast heartbeats), then `prime-trainer rl` against it; and a summary of what the
-run's metrics files say."""
+run's metrics files say. Pools may hold dishonest workers (`tests.adversaries`), and the
+workers' `/health` can be read before the pool closes (`worker_health`)."""
 
 from __future__ import annotations
 
@@ -11,8 +12,10 @@ import statistics
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
+
+import httpx
 
 from tests.pools import Pool, make_pool
 from trainer.monitor import read_metrics
@@ -41,12 +44,13 @@ def trainer_cli(*args: str, timeout: float = 600) -> subprocess.CompletedProcess
     )
 
 
-def sft_warmup(run: Path) -> tuple[Path, float]:
-    """SFT the tiny model on reverse-text; returns the model folder and the seconds taken."""
+def sft_warmup(run: Path, *args: str) -> tuple[Path, float]:
+    """SFT the tiny model on reverse-text (`args`: extra flags, e.g. `--max-steps 30`);
+    returns the model folder and the seconds taken."""
     t0 = time.monotonic()
     out = trainer_cli(
         "sft", "@", "configs/rl/sft-reverse-text-tiny.toml", "--run-dir", str(run),
-        "--monitor.progress", "false",
+        "--monitor.progress", "false", *args,
     )  # fmt: skip
     if out.returncode:
         raise RunFailed(out.stderr[-3000:])
@@ -54,12 +58,20 @@ def sft_warmup(run: Path) -> tuple[Path, float]:
 
 
 @contextlib.contextmanager
-def serving_pool(workdir: Path, model: Path, workers: int = 3) -> Iterator[Pool]:
-    """A scheduler and `workers` nodes serving `model`, stopped on exit."""
+def serving_pool(
+    workdir: Path, model: Path, workers: int = 3, dishonest: Sequence[str] = ()
+) -> Iterator[Pool]:
+    """A scheduler and `workers` nodes serving `model`, stopped on exit. `dishonest`: kinds
+    (`tests.adversaries.DISHONEST_WORKERS`) of that many of the `workers`, named d0, d1, ...;
+    the honest ones are w0, w1, ..."""
+    if len(dishonest) > workers:
+        raise ValueError(f"{len(dishonest)} dishonest workers in a pool of {workers}")
+    honest = [f"w{i}" for i in range(workers - len(dishonest))]
+    cheats = {f"d{i}": kind for i, kind in enumerate(dishonest)}
     pool = make_pool(workdir, model=str(model))
     try:
         pool.start_scheduler(*FAST_HEARTBEATS)
-        pool.join_many([f"w{i}" for i in range(workers)])
+        pool.join_many([*honest, *cheats], **cheats)
         yield pool
     finally:
         pool.close()
@@ -86,15 +98,33 @@ def check_finished(out: subprocess.CompletedProcess, run: Path) -> None:
         raise RunFailed("\n".join([out.stderr[-2000:], *tails]))
 
 
+def run_rl(pool: Pool, model: Path, run: Path, *args: str, timeout: float = 600) -> float:
+    """`prime-trainer rl @ configs/rl/reverse-text-tiny.toml` on `pool` into `run`; returns
+    the seconds the rl command took (raises RunFailed if it failed)."""
+    t0 = time.monotonic()
+    out = trainer_cli(*rl_args(pool, model, run, *args), timeout=timeout)
+    check_finished(out, run)
+    return time.monotonic() - t0
+
+
 def rl_through_pool(workdir: Path, model: Path, *args: str, workers: int = 3) -> tuple[Path, float]:
     """`prime-trainer rl @ configs/rl/reverse-text-tiny.toml` on a fresh pool serving
     `model`; returns the run directory and the seconds the rl command took."""
     with serving_pool(workdir, model, workers) as pool:
         run = workdir / "run"
-        t0 = time.monotonic()
-        out = trainer_cli(*rl_args(pool, model, run, *args))
-        check_finished(out, run)
-        return run, time.monotonic() - t0
+        return run, run_rl(pool, model, run, *args)
+
+
+def worker_health(pool: Pool) -> dict[str, dict | None]:
+    """Each worker's `GET /health` JSON by name (None for one that no longer answers, e.g. a
+    banned node that left)."""
+    out: dict[str, dict | None] = {}
+    for name, child in pool.nodes.items():
+        try:
+            out[name] = httpx.get(child.health_url, timeout=5).json()
+        except (httpx.HTTPError, ValueError):
+            out[name] = None
+    return out
 
 
 def summarize(run: Path) -> dict[str, float]:

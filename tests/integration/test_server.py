@@ -124,14 +124,21 @@ def test_signed_rollout_and_verify_routes(node):
     req = RolloutRequest(
         request_id="r1", prompt_ids=[1, 70, 71, 72], seed=5, sampling=SamplingParams(max_tokens=40)
     )
+    busy = [httpx.get(f"{n.url}/health").json()["busy_s"]]
     raw = httpx.post(f"{n.url}/v1/rollouts", content=seal(scheduler, req), headers=MSGPACK).content
     rollout = open_envelope(raw, Rollout, check_expiry=False).message
+    busy.append(httpx.get(f"{n.url}/health").json()["busy_s"])
     verify = VerifyRequest(rollout_envelope=raw, request=req)
     vraw = httpx.post(
         f"{n.url}/v1/verify", content=seal(scheduler, verify), headers=MSGPACK
     ).content
     verdict = open_envelope(vraw, Verdict).message
     assert verdict.accepted and verdict.rollout_digest == rollout.digest()
+    # /health counts the seconds spent on each kind of work: a generation adds to
+    # `generate` only, a verification to `verify` only.
+    busy.append(httpx.get(f"{n.url}/health").json()["busy_s"])
+    assert busy[1]["generate"] > busy[0]["generate"] and busy[1]["verify"] == busy[0]["verify"]
+    assert busy[2]["verify"] > busy[1]["verify"] and busy[2]["generate"] == busy[1]["generate"]
     # A rollout that does not answer the request it is checked against is rejected.
     other = req.model_copy(update={"seed": 6})
     vraw = httpx.post(
