@@ -119,8 +119,15 @@ def check_results(
 
 
 def verdict_kinds(pool: Pool) -> Counter:
-    rows = sqlite3.connect(pool.db_url.split("///", 1)[1]).execute("SELECT kind FROM verdicts")
-    return Counter(k for (k,) in rows)
+    return Counter(k for (k,) in sql(pool, "SELECT kind FROM verdicts"))
+
+
+def sql(pool: Pool, query: str, *args) -> list[tuple]:
+    return sqlite3.connect(pool.db_url.split("///", 1)[1]).execute(query, args).fetchall()
+
+
+def ban_reason(pool: Pool, node_id: str) -> str:
+    return sql(pool, "SELECT reason FROM nodes WHERE node_id = ?", node_id)[0][0]
 
 
 def states(pool: Pool) -> dict[str, dict]:
@@ -177,12 +184,26 @@ async def test_generator_and_verifier_cheats_are_banned_with_audits(tmp_path):
             assert final[node_id]["state"] == "healthy", final[node_id]
         kinds = verdict_kinds(pool)
         assert kinds["audit"] > 0
-        accept_all = pool.node_id("acceptall")
+        # Each was caught for what it did: cheaters' rollouts rejected by two verifiers,
+        # the accept-all verifier outvoted on cheats it accepted, the reject-all one on
+        # honest rollouts it rejected.
+        for node_id in gen_cheats:
+            assert "rejected by two verifiers" in ban_reason(pool, node_id)
+        accept_all, reject_all = pool.node_id("acceptall"), pool.node_id("rejectall")
+        assert "accepted a rollout that two verifiers rejected" in ban_reason(pool, accept_all)
+        assert "rejected an honest rollout" in ban_reason(pool, reject_all)
+        (vouched,) = sql(
+            pool,
+            "SELECT count(*) FROM verdicts WHERE verifier_id = ? AND accepted AND generator_id"
+            f" IN ({','.join('?' * len(gen_cheats))})",
+            accept_all,
+            *gen_cheats,
+        )[0]
         print(
             f"\ncheats pool: {len(names)} nodes joined in {joined:.0f} s, all done in "
             f"{time.time() - started:.0f} s; verdicts {dict(kinds)}; accepted per honest "
-            f"generator {[by_gen[n] for n in honest_ids]}; accept-all accepted "
-            f"{final[accept_all]['accepted']} rollouts of others"
+            f"generator {[by_gen[n] for n in honest_ids]}; accept-all vouched for {vouched} "
+            "cheats before its ban"
         )
         for name in (*GENERATOR_CHEATS, "acceptall", "rejectall"):
             assert pool.nodes[name].proc.wait(30) == 3  # told it is banned: exit status 3
@@ -283,6 +304,14 @@ async def test_wrong_version_corrupt_pieces_silent_and_slow_nodes(tmp_path):
         wait_banned(pool, {ids["wrong"]}, 30)
         final = states(pool)
         assert final[ids["wrong"]]["state"] == "banned", final[ids["wrong"]]
+        # Its rollouts were rejected by the verifiers holding the version it claimed.
+        lost = sql(
+            pool,
+            "SELECT count(*) FROM verdicts WHERE generator_id = ? AND kind = 'dispute'"
+            " AND NOT accepted",
+            ids["wrong"],
+        )[0][0]
+        assert lost >= 1
         # Silent: timed out, benched (no work however well it heartbeats), never banned.
         assert final[ids["silent"]]["state"] == "unhealthy", final[ids["silent"]]
         log = (pool.workdir / "scheduler.log").read_text()
