@@ -130,11 +130,14 @@ class OpenAIProxy:
                 last_error = str(exc) or type(exc).__name__
                 log.info("OpenAI call on %s failed: %s; trying another node", node.label, exc)
                 tried.add(node.node_id)
+                if isinstance(exc, TimeoutError):  # heartbeats but never answers: bench it
+                    self.dispatcher.note_timeout(node)
                 continue
             finally:
                 node.in_flight -= 1
                 node.outstanding_tokens -= 1
                 self.dispatcher.kick()
+            node.timeouts = 0
             node.generated += 1
             node.tokens += len(rollout.completion_ids)
             node.first_work = node.first_work or time.time()

@@ -16,6 +16,7 @@ import time
 
 import pytest
 
+from tests.pools import tiny_verification
 from tests.swarm.harness import FaultRun, pool_state
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
@@ -113,3 +114,51 @@ def test_stragglers_among_fast_nodes(fault_run, report, monkeypatch):
     gen = {name: nodes[run.pool.node_id(name)]["generated"] for name in run.kinds}
     assert min(gen[f] for f in ("f0", "f1", "f2")) > max(gen["s0"], gen["s1"]), gen
     report("swarm stragglers (2 slow of 5, 6 steps)", {"generated": gen, **counts})
+
+
+GENERATOR_CHEATS = [
+    "other-weights", "perturbed-weights", "lower-precision", "tampered-tokens",
+    "forged-proof", "replayed-proof", "made-up-logprobs", "other-sampling", "wrong-version",
+]  # fmt: skip
+VERIFIER_CHEATS = ["reject-all", "accept-all"]
+
+
+def test_one_dishonest_node_of_each_kind_among_honest_ones(fault_run, report):
+    """Four honest workers and one node of every dishonest kind of tests/adversaries.py
+    (every generator cheat, both verifier cheats, a peer serving corrupted weight pieces,
+    a node that goes silent mid-request) in one pool that audits every accept
+    (audit_rate 1: one lying verifier cannot let a cheat through). Training goes on; the
+    cheats are banned; nothing of theirs is trained on; the silent node is benched;
+    the corrupting peer is banned by its peers, not by the pool."""
+    policy = tiny_verification().model_copy(update={"audit_rate": 1.0})
+    run = fault_run(8, verification=policy)
+    kinds: dict[str, str | None] = {f"h{i}": None for i in range(4)}
+    kinds |= {k: k for k in [*GENERATOR_CHEATS, *VERIFIER_CHEATS, "corrupt-pieces", "silent"]}
+    run.start_pool(
+        kinds,
+        "--lifecycle.swarm-announce-interval-s", "2",
+        "--dispatch.generate-timeout-s", "10",
+        "--dispatch.openai-timeout-s", "10",
+    )  # fmt: skip
+    run.start_training()
+    run.wait_finished()
+    counts = run.audit(
+        cheat_generators=set(GENERATOR_CHEATS),
+        cheat_verifiers=set(VERIFIER_CHEATS),
+        exempt={"corrupt-pieces", "silent"},
+    )
+    nodes = {n["node_id"]: n for n in pool_state(run.pool.url)["nodes"]}
+    assert nodes[run.pool.node_id("silent")]["state"] == "unhealthy"
+    assert nodes[run.pool.node_id("corrupt-pieces")]["state"] == "healthy"
+    liar = run.pool.node_id("corrupt-pieces")
+    banned_by = [
+        name
+        for name in kinds
+        if name != "corrupt-pieces"
+        and f"banning peer {liar}" in (run.pool.workdir / f"{name}.log").read_text()
+    ]
+    assert banned_by, "no peer took a piece from the corrupting peer"
+    report(
+        "swarm dishonest nodes during training (4 honest, 13 dishonest, 8 steps)",
+        {"corrupting peer banned by": len(banned_by), **counts},
+    )
