@@ -351,8 +351,8 @@ def plot(result: dict[str, Any], out: Path) -> None:
         [j + 0.4 - width / 2 for j in range(len(levels))], [f"async {lv}" for lv in levels]
     )
     ax_a.axhline(1, color="gray", lw=0.8)
-    ax_a.set(title="ratio against async_level 0", ylabel="x async 0")
-    ax_a.legend(fontsize=8)
+    ax_a.set(title="ratio against async_level 0", ylabel="x async 0", ylim=(0, 1.35))
+    ax_a.legend(fontsize=8, ncol=2, loc="upper right")
 
     runs = [(f"async {lv}", r["busy"]) for lv, r in result["async_levels"].items()]
     runs += [(f"{r['fraction']:.0%} dish.", r["busy"]) for r in result["dishonest"]]
@@ -375,21 +375,29 @@ def plot(result: dict[str, Any], out: Path) -> None:
     for x, r in zip(xs, d, strict=True):
         bans = [n["banned_at_s"] for n in r["dishonest_nodes"] if n["banned_at_s"] is not None]
         if bans:
-            ax_d.text(x, 1.02 * top, "banned at\n" + ", ".join(f"{b:.0f}" for b in bans) + " s",
-                      ha="center", va="bottom", fontsize=7)  # fmt: skip
+            high = max(r[key] for key, _, _ in bars)
+            ax_d.text(x, high + 0.02 * top, "banned at\n" + ", ".join(f"{b:.0f}" for b in bans)
+                      + " s", ha="center", va="bottom", fontsize=7)  # fmt: skip
     ax_d.set_xticks(list(xs), [f"{r['dishonest']} ({r['fraction']:.0%})" for r in d])
-    ax_d.set_ylim(0, 1.3 * top)
+    ax_d.set_ylim(0, 1.5 * top)
     ax_d.set(title="samples delivered", xlabel="dishonest workers", ylabel="samples/s")
-    ax_d.legend(fontsize=7, loc="upper right")
+    ax_d.legend(fontsize=7, loc="upper left")
     fig.tight_layout()
     fig.savefig(out.with_suffix(".png"), dpi=110)
 
 
-def git_commit() -> str | None:
-    res = subprocess.run(
-        ["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True
-    )
-    return res.stdout.strip() if res.returncode == 0 else None
+def git_state() -> dict[str, Any]:
+    """The commit the children ran, and the files that differed from it (or {})."""
+
+    def git(*a: str) -> str | None:
+        res = subprocess.run(["git", *a], cwd=REPO, capture_output=True, text=True)
+        return res.stdout.rstrip() if res.returncode == 0 else None
+
+    commit = git("rev-parse", "--short", "HEAD")
+    if commit is None:
+        return {}
+    dirty = git("status", "--porcelain", "--untracked-files=no", "--", "*.py") or ""
+    return {"commit": commit, "modified": [line[3:] for line in dirty.splitlines()]}
 
 
 def machine_info() -> dict[str, Any]:
@@ -426,7 +434,13 @@ def main() -> None:
     ap.add_argument("--keep", action="store_true", help="keep the work folder (logs, DBs)")
     ap.add_argument("--wait-quiet-s", type=float, default=0,
                     help="wait up to S before each run for the box to be under 25%% busy")  # fmt: skip
+    ap.add_argument("--replot", type=Path, default=None, help="redraw the table and PNG of X.json")
     args = ap.parse_args()
+    if args.replot is not None:
+        result = json.loads(args.replot.read_text())
+        print_tables(Console(width=None if sys.stdout.isatty() else 170), result)
+        plot(result, args.replot)
+        return
     levels = [int(x) for x in args.levels.split(",")]
     counts = [int(x) for x in args.dishonest.split(",")]
     kinds = args.dishonest_kind.split(",")
@@ -492,7 +506,7 @@ def main() -> None:
     gen = sum(b["generate_s"] for b in readings)
     ver = sum(b["verify_s"] for b in readings)
     result = {
-        "git": git_commit(),
+        "git": git_state(),
         "machine": info,
         "args": {
             **{k: v for k, v in vars(args).items() if k not in ("out", "model")},
