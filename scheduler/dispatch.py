@@ -23,8 +23,9 @@ Cheap checks before any verifier runs (`_check_rollout`): the signed rollout mus
 exactly the request (id, seed, sampling, prompt, proof layout, min_version), and its
 (weights_version, weights_hash) must be what the trainer published for that version (the
 scheduler keeps every `WeightUpdate` it relays: `note_published`); a rollout claiming a
-version newer than any published is a lie too. Version 0 (the pool's base model, never
-published as an update) and updates published without a hash are not checked here; the
+version newer than any published is a lie too. Version 0 (the pool's base model, which a
+swarm trainer also announces under its manifest hash while nodes hash its folder) and
+updates published without a hash are not checked here; the
 verifier, who holds the weights of the claimed hash, checks what was generated.
 
 Timeouts: a node that lets `TIMEOUTS_BEFORE_BENCH` calls in a row time out (it heartbeats
@@ -482,6 +483,10 @@ class Dispatcher:
 
     def _weights_claim_ok(self, version: int, weights_hash: str) -> bool:
         """Whether (version, hash) can be what the trainer published (see the module doc)."""
+        if version == 0:
+            # The pool's starting model: nodes hash its folder, a swarm trainer announces it
+            # under its manifest hash; verifiers holding the claimed hash check it anyway.
+            return True
         known = self.published.get(version)
         if known is None:
             return version == 0 or version <= max(self.published, default=0)

@@ -277,9 +277,17 @@ class SwarmHost:
         info = info_from_p2p_addr(multiaddr.Multiaddr(addrs[0]))
         for a in addrs[1:]:
             info.addrs.append(multiaddr.Multiaddr(a.split("/p2p/")[0]))
-        with trio.fail_after(self.cfg.connect_timeout_s):
-            await self._host.connect(info)
-            stream = await self._host.new_stream(info.peer_id, [PROTOCOL_ID])
+        # Dial only the addresses named now: a peer that restarted (a trainer after kill -9)
+        # has a new port, and libp2p would otherwise keep trying the dead one it stored.
+        self._host.get_peerstore().clear_addrs(info.peer_id)
+        try:
+            with trio.fail_after(self.cfg.connect_timeout_s):
+                await self._host.connect(info)
+                stream = await self._host.new_stream(info.peer_id, [PROTOCOL_ID])
+        except Exception:
+            # A connection that outlived its peer stays in libp2p's table: drop it.
+            await self._disconnect(peer_id)
+            raise
         if str(info.peer_id) != peer_id:
             await stream.reset()
             raise WireError("dialed address belongs to another peer")

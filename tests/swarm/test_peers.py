@@ -21,7 +21,7 @@ from protocol.identity import Identity
 from protocol.processes import ManagedProcess, free_port
 from protocol.swarm.config import SwarmConfig
 from protocol.swarm.host import SwarmHost
-from protocol.swarm.manifest import ManifestError, publish_folder, sign_manifest
+from protocol.swarm.manifest import MANIFEST_FILE, ManifestError, publish_folder, sign_manifest
 
 REPO = Path(__file__).resolve().parents[2]
 KiB, MiB = 1024, 1024 * 1024
@@ -232,3 +232,45 @@ def test_a_version_finished_before_a_restart_is_seeded_not_fetched_again(tmp_pat
         (status,) = again.statuses()
         assert status.complete and status.downloaded == 0
         assert digest_files(folder) == digest_files(src)
+
+
+def _publisher(tmp: Path, source: Path, name: str) -> tuple[ManagedProcess, list[str]]:
+    """`prime-trainer publish` of `source` as its own process; returns it and its addrs."""
+    proc = ManagedProcess.start(
+        name, [sys.executable, "-m", "trainer.cli", "publish", "--source", str(source),
+               "--trainer-key", str(tmp / "trainer.key"), "--progress", "false"],
+        "", tmp / f"{name}.log", cwd=REPO, wait=False,
+    )  # fmt: skip
+    deadline = time.monotonic() + 60
+    while "--peers '" not in (text := proc.log_path.read_text().replace("\n", "")):
+        assert proc.alive() and time.monotonic() < deadline, proc.log_tail()
+        time.sleep(0.1)
+    return proc, json.loads(text.split("--peers '", 1)[1].split("'", 1)[0])
+
+
+def test_a_trainer_restarted_on_a_new_port_is_reached_by_a_node_that_knew_it(
+    tmp_path: Path,
+) -> None:
+    """kill -9 of the trainer's seed, restart with the same key on another port: a node
+    that had fetched from the old one fetches the next version from the new address
+    (libp2p must not keep dialing the dead port or a dead connection)."""
+    trainer = Identity.load_or_create(tmp_path / "trainer.key")
+    v1, v2 = tmp_path / "v1", tmp_path / "v2"
+    make_version(v1, 256 * KiB, 64 * KiB, trainer, step=1)
+    make_version(v2, 256 * KiB, 64 * KiB, trainer, step=2)
+    first, addrs1 = _publisher(tmp_path, v1, "pub1")
+    env1 = (v1 / MANIFEST_FILE).read_bytes()  # as the publisher signed it
+    try:
+        with SwarmHost(Identity.generate(), SwarmConfig(), {trainer.public_key}) as node:
+            node.fetch(env1, tmp_path / "n" / "v1", addrs1).result(30)
+            first.kill9()
+            second, addrs2 = _publisher(tmp_path, v2, "pub2")
+            env2 = (v2 / MANIFEST_FILE).read_bytes()
+            assert addrs2 != addrs1
+            try:
+                folder = node.fetch(env2, tmp_path / "n" / "v2", addrs2).result(20)
+            finally:
+                second.stop()
+            assert digest_files(folder) == digest_files(v2)
+    finally:
+        first.stop()

@@ -455,6 +455,8 @@ async def test_rollout_weights_must_be_what_the_trainer_published(tmp_path):
     assert ok(0, "base") and ok(1, "h1") and ok(2, "anything")
     assert not ok(1, "h2")  # version 1 with another hash
     assert not ok(3, "h3")  # a version never published
+    d.note_published(0, "manifest-of-v0")  # a swarm trainer announces the base model too
+    assert ok(0, "folder-hash-of-the-base")  # nodes hash the pool's folder: not a lie
     d.note_published(1, "h1b")  # republished under another manifest: both hold
     assert ok(1, "h1") and ok(1, "h1b")
 
