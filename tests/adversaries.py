@@ -197,7 +197,10 @@ class MadeUpLogprobs(Generator):
 # tiny-model thresholds (configs/verification/tiny-torch-cpu-fp32.toml) rejected on every
 # rollout (measured, 80 rollouts each of 16 and of 64 tokens: 1e-3 caught 160/160, 7e-4
 # missed 1 in 80, 5e-4 missed 10-20%, 3e-4 missed 90% of 16-token rollouts).
-PERTURB_SCALE = 2e-3
+# On the SFT-warmed model's confident 12-token reverse-text answers it is weaker: 9 of 16
+# rollouts at 2e-3 passed two honest verifiers (tests/swarm/test_faults.py sets 2e-2 via
+# PRIME_PERTURB_SCALE there).
+PERTURB_SCALE = float(os.environ.get("PRIME_PERTURB_SCALE", "2e-3"))
 # Temperature `other-sampling` uses whatever was asked (it signs the requested one).
 OTHER_TEMPERATURE = 0.3
 # Seed of the random model `other-weights` generates with.
