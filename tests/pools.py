@@ -222,6 +222,22 @@ def make_pool(
     return Pool(workdir, pool_id, owner, trainer, pool_file, url)
 
 
+def processes_with(*needles: str) -> dict[int, str]:
+    """Live processes whose command line contains every one of `needles`: pid -> command
+    line (arguments joined by spaces). For tests that kill one child of a launcher."""
+    found = {}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            cmd = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode()
+        except OSError:  # gone meanwhile
+            continue
+        if all(n in cmd for n in needles):
+            found[int(entry.name)] = cmd
+    return found
+
+
 async def collect(
     client: SchedulerClient, expected: int, timeout_s: float, after: int = 0
 ) -> list[RolloutResult]:

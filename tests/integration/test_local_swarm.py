@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.pools import processes_with
 from tests.rl_runs import ENV, REPO
 from trainer.monitor import read_metrics
 
@@ -32,20 +33,6 @@ def launch(run: Path, model: Path, *args: str, progress: bool = True) -> subproc
         cmd, cwd=REPO, env={**ENV, "COLUMNS": "120"}, stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT, text=True,
     )  # fmt: skip
-
-
-def processes_of(run: Path) -> list[str]:
-    """Command lines of live processes that mention the run directory."""
-    found = []
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                cmd = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode()
-            except OSError:
-                continue
-            if str(run) in cmd:
-                found.append(cmd)
-    return found
 
 
 def wait_for(predicate, proc: subprocess.Popen, timeout_s: float, what: str) -> None:
@@ -77,7 +64,7 @@ def test_local_swarm_runs_the_whole_network_and_tears_it_down(tmp_path, sft_mode
     assert (run / "swarm" / "scheduler.db").is_file()
     assert (run / "curves.png").stat().st_size > 10_000
     assert [r["step"] for r in read_metrics(run, "trainer")] == list(range(1, 7))
-    assert not processes_of(run), "processes left behind"
+    assert not processes_with(str(run)), "processes left behind"
     report("local swarm: 6 steps, 3 workers (model warmed up)", {"wall_s": took, **summary})
 
 
@@ -91,7 +78,7 @@ def test_ctrl_c_stops_every_process(tmp_path, sft_model):
     assert "interrupted" in out
     assert json.loads((run / "summary.json").read_text())["outcome"] == "interrupted"
     time.sleep(1)
-    assert not processes_of(run), "processes left behind"
+    assert not processes_with(str(run)), "processes left behind"
 
 
 def test_a_failing_child_stops_the_run(tmp_path, sft_model):
@@ -99,17 +86,10 @@ def test_a_failing_child_stops_the_run(tmp_path, sft_model):
     run = tmp_path / "run"
     proc = launch(run, sft_model, "--max-steps", "50", "--local-swarm.workers", "2", progress=False)
     wait_for(lambda: read_metrics(run, "trainer"), proc, 300, "a trained step")
-    victim = next(c for c in processes_of(run) if "node.cli join" in c and "w1.key" in c)
-    pid = next(
-        int(e.name)
-        for e in Path("/proc").iterdir()
-        if e.name.isdigit()
-        and (e / "cmdline").exists()
-        and (e / "cmdline").read_bytes().replace(b"\0", b" ").decode() == victim
-    )
+    (pid,) = processes_with(str(run), "node.cli join", "w1.key")
     subprocess.run(["kill", "-9", str(pid)], check=True)
     out, _ = proc.communicate(timeout=60)
     assert proc.returncode == 1
     assert "w1 failed" in out
     time.sleep(1)
-    assert not processes_of(run), "processes left behind"
+    assert not processes_with(str(run)), "processes left behind"

@@ -25,7 +25,7 @@ from pathlib import Path
 import httpx
 import torch
 
-from tests.pools import Pool, make_pool
+from tests.pools import Pool, make_pool, processes_with
 from tests.rl_runs import ENV, FAST_HEARTBEATS, REPO, rl_args
 from trainer.batch import batch_path, staleness
 from trainer.monitor import read_metrics
@@ -107,17 +107,8 @@ class FaultRun:
 
     def trainer_pid(self) -> int:
         """The trainer child of `rl` (found by its command line)."""
-        toml = str(self.run / "configs" / "trainer.toml")
-        for entry in Path("/proc").iterdir():
-            if not entry.name.isdigit():
-                continue
-            try:
-                cmd = (entry / "cmdline").read_bytes().split(b"\0")
-            except OSError:
-                continue
-            if b"trainer.train" in cmd and toml.encode() in cmd:
-                return int(entry.name)
-        raise AssertionError("no trainer process")
+        (pid,) = processes_with("trainer.train", str(self.run / "configs" / "trainer.toml"))
+        return pid
 
     def kill_trainer(self) -> None:
         """kill -9 of the trainer process; `rl` sees its child fail and stops the rest."""
