@@ -20,6 +20,7 @@ import contextlib
 import signal
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 from rich.console import Console
@@ -60,12 +61,13 @@ class Launch:
                 return child.name
         return None
 
-    def wait_exit(self, name: str, view: RunView, poll_s: float = 0.5) -> None:
-        """Until `name` exits; raises LaunchError if it, or any other child, fails."""
+    def wait_exit(self, name: str, tick: Callable[[], None], poll_s: float = 0.5) -> None:
+        """Until `name` exits, calling `tick` (refresh the view) meanwhile; raises
+        ChildFailed if it, or any other child, fails."""
         proc = self.children[name][1]
         while proc.alive():
             self.check()
-            view.poll()
+            tick()
             time.sleep(poll_s)
         self.check()
 
@@ -115,13 +117,12 @@ def _start_pool(local: LocalPool, launch: Launch, view: RunView) -> RLConfig:
     if (sft := local.sft()) is not None:
         view.phase = "SFT warm-up"
         launch.start(sft)
-        sft_dir = local.sft_model.parent
-        while launch.children["sft"][1].alive():
-            launch.check()
-            done = read_metrics(sft_dir, "sft")
+
+        def sft_progress() -> None:
+            done = read_metrics(local.sft_model.parent, "sft")
             view.phase = f"SFT warm-up, step {done[-1]['step'] if done else 0}"
-            time.sleep(0.5)
-        launch.check()
+
+        launch.wait_exit("sft", sft_progress)
     view.phase = "starting the pool"
     local.create_pool()
     launch.start(local.scheduler())
@@ -176,7 +177,7 @@ def run_rl(cfg: RLConfig, console: Console) -> int:
             for child in _trainer_children(cfg):
                 launch.start(child)
             view.phase = "training"
-            launch.wait_exit("trainer", view)
+            launch.wait_exit("trainer", view.poll)
             outcome = "finished"
     except ChildFailed as exc:
         name = str(exc)
