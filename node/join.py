@@ -33,13 +33,15 @@ import aiohttp
 from aiohttp import web
 from pydantic import ValidationError
 
-from node.config import JoinConfig
+from node.channel import SchedulerLink
+from node.config import WILDCARD_HOSTS, JoinConfig
 from protocol.client import RemoteError, call
 from protocol.codec import CodecError
 from protocol.envelope import EnvelopeError, open_envelope
 from protocol.identity import Identity, IdentityError, node_id_from_public_key
 from protocol.messages import (
     Deregister,
+    EngineMix,
     Heartbeat,
     HeartbeatResponse,
     Invite,
@@ -214,9 +216,10 @@ class PoolNode:
         self.pool: PoolConfig | None = None
         self.invite = b""
         self.worker: Worker | None = None
+        self.mix: EngineMix | None = None
         self.server: NodeServer | None = None
         self.runner: web.AppRunner | None = None
-        self.http_url = ""
+        self.link: SchedulerLink | None = None
         self.scheduler_key: bytes | None = None
         self.interval = 5.0
         self.state = ""
@@ -262,10 +265,16 @@ class PoolNode:
             if isinstance(exc, CodecError | EnvelopeError):
                 raise JoinError(f"the scheduler's answer to register is unusable: {exc}") from exc
             raise
-        await self.heartbeat_forever()
+        assert self.link is not None
+        channel = asyncio.create_task(self.link.run_forever(), name="channel")
+        try:
+            await self.heartbeat_forever()
+        finally:
+            channel.cancel()
+            await asyncio.gather(channel, return_exceptions=True)
 
     async def _start_server(self) -> None:
-        from node.engines import create_engine
+        from node.engines import create_engine, engine_mix
         from node.server import NodeServer
         from node.swarm_weights import SwarmWeights
         from node.worker import Worker
@@ -284,6 +293,15 @@ class PoolNode:
         log.info("loading %s on the %s engine", engine_cfg.model, engine_cfg.kind)
         # Off the loop, so a signal during a long load is still noticed.
         engine = await asyncio.to_thread(create_engine, engine_cfg)
+        self.mix = engine_mix(engine, engine_cfg.kind)
+        covered = pool.verification.engine_mixes
+        if self.mix not in covered:
+            raise JoinError(
+                f"pool {pool.pool_id!r} verifies with thresholds calibrated for "
+                f"{', '.join(m.label() for m in covered) or 'no engine mix'}; this node would "
+                f"generate on {self.mix.label()}: pass --engine.dtype / --engine.device / "
+                "--engine.kind to match one, or ask the pool owner to calibrate this mix"
+            )
         self.worker = (self.worker_cls or Worker)(
             engine,
             self.identity,
@@ -300,7 +318,9 @@ class PoolNode:
             max_body_bytes=cfg.server.max_body_bytes,
             max_concurrent=cfg.server.max_concurrent_requests,
             rollout_cache_size=cfg.server.rollout_cache_size,
+            body_read_timeout_s=cfg.server.body_read_timeout_s,
             callers=set(),  # nobody may send work until the scheduler is known
+            api_key=None,  # a pool node answers its scheduler only
             swarm=(self.swarm_cls or SwarmWeights).from_config(
                 self.identity, cfg.weights, {pool.trainer_public_key}
             ),
@@ -315,15 +335,22 @@ class PoolNode:
         await self.runner.setup()
         await web.TCPSite(self.runner, cfg.server.host, cfg.server.port).start()
         port = self.runner.addresses[0][1]
-        host = cfg.server.host
+        host = "127.0.0.1" if cfg.server.host in WILDCARD_HOSTS else cfg.server.host
         host = f"[{host}]" if ":" in host else host
-        self.http_url = cfg.advertise_url or f"http://{host}:{port}"
+        self.link = SchedulerLink(
+            self.session,
+            self.identity,
+            pool.pool_id,
+            f"http://{host}:{port}",
+            lambda: self.cfg.scheduler_urls[self.current],
+            self._next_scheduler,
+            cfg.channel,
+        )
         log.info(
-            "node %s listening on %s:%d (advertised as %s)",
+            "node %s serving on %s:%d (its scheduler calls it over the node channel)",
             self.identity.node_id,
             cfg.server.host,
             port,
-            self.http_url,
         )
 
     # -- scheduler calls -----------------------------------------------------------
@@ -331,14 +358,16 @@ class PoolNode:
         """Register (again); a refusal raises `JoinError`, a transient failure re-raises."""
         assert self.pool is not None and self.server is not None and self.worker is not None
         cfg, pool, engine = self.cfg, self.pool, self.worker.engine
+        assert self.mix is not None
 
         def attempt() -> Awaitable[tuple]:
             request = RegisterRequest(
                 pool_id=pool.pool_id,
                 operator=cfg.operator,
-                http_url=self.http_url,
                 model=pool.model,  # served as the pool's model, even from a local folder
-                engine=cfg.engine.kind,
+                engine=self.mix.engine,
+                dtype=self.mix.dtype,
+                device=self.mix.device,
                 weights_version=engine.weights_version,
                 weights_hash=engine.weights_hash,
                 capacity=min(cfg.server.max_concurrent_requests, MAX_CAPACITY),
@@ -375,6 +404,8 @@ class PoolNode:
         self.server.callers = {opened.sender}
         self.interval = max(resp.heartbeat_interval_s, MIN_HEARTBEAT_S)
         self.state = "registered"
+        if self.link is not None:
+            self.link.wake.set()  # a (re-)registration closed any older channel: reopen now
         log.info(
             "registered in pool %s (scheduler %s, heartbeat every %.1f s)",
             pool.pool_id,

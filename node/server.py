@@ -1,8 +1,10 @@
 """The worker's HTTP API (aiohttp).
 
 Routes:
-- OpenAI-compatible JSON: GET /v1/models, POST /v1/completions, POST /v1/chat/completions,
-  POST /tokenize (as vLLM's);
+- OpenAI-compatible JSON (`protocol.openai`): GET /v1/models, POST /v1/completions, POST
+  /v1/chat/completions (`n`, `stream`), POST /tokenize (as vLLM's); open to anyone on a
+  standalone `serve`, behind a bearer key with `--server.api-key`, and closed (403) on a
+  pool node (`prime-node join`), which takes work only from its scheduler;
 - proof routes (msgpack, signed envelopes): POST /v1/rollouts (a `RolloutRequest` ->
   signed `Rollout`), GET /v1/rollouts/{id} (the signed rollout of an earlier OpenAI call),
   POST /v1/verify (a `VerifyRequest` -> signed `Verdict`);
@@ -15,11 +17,14 @@ Routes:
 
 In a pool (`prime-node join`) the proof routes take work only from the scheduler:
 `callers` holds the keys allowed to sign rollout and verify requests (None = anyone, as a
-standalone `serve`; an empty set = nobody, before registration).
+standalone `serve`; an empty set = nobody, before registration). `api_key` says who may
+use the OpenAI routes ('' = anyone, a key = callers sending it as a bearer token, None =
+nobody: a pool node).
 
 Invariants: every bad input (malformed JSON or msgpack, oversized body, wrong types, bad
 / expired / replayed / untrusted signature) gets a 4xx with a JSON error body and one log
-line, and the server keeps serving; signed routes reject a replayed nonce; requests past
+line, and the server keeps serving; signed routes reject a replayed nonce; a
+`request_id` this node already holds a signed rollout for is refused (409), never replaced; requests past
 `max_concurrent_requests` get 503 instead of queueing without bound; weights are loaded
 only under a trusted signature, through one function (`load_weights`), whether they come
 from the trainer's push or relayed by the scheduler (`load_relayed_weights`); an update
@@ -30,6 +35,7 @@ loaded when every piece is in and checked.
 from __future__ import annotations
 
 import asyncio
+import hmac
 import logging
 import os
 import uuid
@@ -38,19 +44,19 @@ from typing import TYPE_CHECKING
 
 from aiohttp import web
 
-from node.openai_api import (
+from node.worker import RequestRejected, SignedRollout, Worker
+from protocol.envelope import ReplayCache, open_envelope
+from protocol.http import MSGPACK, body_timeout_middleware, error_middleware, read_json
+from protocol.identity import public_key_from_node_id
+from protocol.messages import MAX_SEED, RolloutRequest, VerifyRequest, WeightReload, WeightUpdate
+from protocol.openai import (
     ChatCompletionRequest,
     CompletionRequest,
     TokenizeRequest,
-    chat_response,
-    completion_response,
-    truncate_at_stop,
+    conversation,
+    render,
+    respond,
 )
-from node.worker import RequestRejected, Worker
-from protocol.envelope import ReplayCache, open_envelope
-from protocol.http import MSGPACK, error_middleware, read_json
-from protocol.identity import public_key_from_node_id
-from protocol.messages import MAX_SEED, RolloutRequest, VerifyRequest, WeightReload, WeightUpdate
 
 if TYPE_CHECKING:
     from node.swarm_weights import SwarmWeights
@@ -69,17 +75,22 @@ class NodeServer:
         max_concurrent: int,
         rollout_cache_size: int,
         callers: set[bytes] | None = None,
+        api_key: str | None = "",
         swarm: SwarmWeights | None = None,
+        body_read_timeout_s: float = 30.0,
     ):
         self.worker = worker
         self.model_name = model_name
         self.trusted = {public_key_from_node_id(k) for k in trusted_keys}
         self.callers = callers
+        self.api_key = api_key
+        self.body_read_timeout_s = body_read_timeout_s
         self.max_body_bytes = max_body_bytes
         self.replay = ReplayCache()
         self.slots = asyncio.Semaphore(max_concurrent)
         self.max_concurrent = max_concurrent
         self.rollouts: OrderedDict[str, bytes] = OrderedDict()
+        self.pending_ids: set[str] = set()  # OpenAI calls under way: their ids are taken
         self.rollout_cache_size = rollout_cache_size
         self.weights_path: str | None = None
         self.swarm = swarm
@@ -92,7 +103,10 @@ class NodeServer:
     def app(self) -> web.Application:
         app = web.Application(
             client_max_size=self.max_body_bytes,
-            middlewares=[error_middleware(log, {RequestRejected: 400})],
+            middlewares=[
+                error_middleware(log, {RequestRejected: 400}),
+                body_timeout_middleware(self.body_read_timeout_s, log),
+            ],
         )
         app.add_routes(
             [
@@ -143,28 +157,52 @@ class NodeServer:
         while len(self.rollouts) > self.rollout_cache_size:
             self.rollouts.popitem(last=False)
 
-    def _text(self, rollout) -> str:
-        text = self.worker.engine.tokenizer.decode(rollout.completion_ids, skip_special_tokens=True)
-        return truncate_at_stop(text, rollout.sampling.stop)
+    def _check_openai_caller(self, request: web.Request) -> None:
+        if self.api_key is None:
+            raise web.HTTPForbidden(
+                text="this node works for its pool's scheduler only: call the pool's "
+                "OpenAI endpoint (the scheduler) instead"
+            )
+        if self.api_key:
+            sent = request.headers.get("Authorization", "").removeprefix("Bearer ").strip()
+            if not hmac.compare_digest(sent.encode(), self.api_key.encode()):
+                raise web.HTTPUnauthorized(text="missing or wrong API key (Authorization: Bearer)")
 
-    def _request(self, prompt_ids: list[int], body) -> RolloutRequest:
-        return RolloutRequest(
-            request_id=body.request_id or uuid.uuid4().hex,
-            pool_id=self.worker.pool_id,
-            prompt_ids=prompt_ids,
-            sampling=body.sampling(default_max_tokens=256),
-            seed=body.seed if body.seed is not None else int.from_bytes(os.urandom(8)) & MAX_SEED,
-        )
+    def _requests(self, prompt_ids: list[int], body) -> list[RolloutRequest]:
+        """One signed-rollout request per choice; ids and seeds as the client chose them."""
+        sampling = body.sampling(default_max_tokens=256)
+        base = body.request_id or uuid.uuid4().hex
+        ids = [base] if body.n == 1 else [f"{base}-{i}" for i in range(body.n)]
+        held = [i for i in ids if i in self.rollouts or i in self.pending_ids]
+        if held:
+            raise web.HTTPConflict(text=f"request_id {held[0]!r} was used before on this node")
+        self.pending_ids.update(ids)
+        first = body.seed if body.seed is not None else int.from_bytes(os.urandom(8)) & MAX_SEED
+        return [
+            RolloutRequest(
+                request_id=rid,
+                pool_id=self.worker.pool_id,
+                prompt_ids=prompt_ids,
+                sampling=sampling,
+                seed=(first + i) & MAX_SEED,
+            )
+            for i, rid in enumerate(ids)
+        ]
 
     def _chat_ids(self, messages, add_generation_prompt: bool = True) -> list[int]:
         tok = self.worker.engine.tokenizer
         if not tok.chat_template:
             raise RequestRejected("this model has no chat template; use /v1/completions")
-        conversation = [{"role": m.role, "content": m.text()} for m in messages]
         ids = tok.apply_chat_template(
-            conversation, add_generation_prompt=add_generation_prompt, tokenize=True
+            conversation(messages), add_generation_prompt=add_generation_prompt, tokenize=True
         )
         return list(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids)
+
+    def _decode(self, ids: list[int]) -> str:
+        return self.worker.engine.tokenizer.decode(ids, skip_special_tokens=True)
+
+    def _token_text(self, token_id: int) -> str:
+        return self.worker.engine.tokenizer.decode([token_id])
 
     # -- routes --------------------------------------------------------------------
     async def health(self, _request: web.Request) -> web.Response:
@@ -197,30 +235,41 @@ class NodeServer:
         )
 
     async def _openai_generate(
-        self, rreq: RolloutRequest, top_logprobs: int, render, want_logprobs
-    ):
-        """Generate, keep the signed rollout for the proof route, answer in OpenAI's schema."""
-        signed = await self._limited(self.worker.generate(rreq, top_logprobs=top_logprobs))
-        self._remember(rreq.request_id, signed.envelope)
-        rollout = signed.rollout
-        return web.json_response(
-            render(
-                rollout,
-                self._text(rollout),
-                self.worker.engine.tokenizer,
-                self.model_name,
-                want_logprobs,
-                signed.top_logprobs,
-            )
+        self, request: web.Request, kind, body, prompt_ids: list[int], top: int, logprobs: bool
+    ) -> web.StreamResponse:
+        """Generate every choice, keep the signed rollouts for the proof route, answer in
+        OpenAI's schema (rendered from the signed rollouts)."""
+        reqs = self._requests(prompt_ids, body)
+
+        async def every_choice() -> list[SignedRollout]:
+            return await asyncio.gather(*(self.worker.generate(r, top_logprobs=top) for r in reqs))
+
+        try:
+            signed = await self._limited(every_choice())
+            for s in signed:
+                self._remember(s.rollout.request_id, s.envelope)
+        finally:
+            self.pending_ids.difference_update(r.request_id for r in reqs)
+        answer = render(
+            kind,
+            [s.rollout for s in signed],
+            self._decode,
+            self._token_text,
+            self.model_name,
+            logprobs,
+            [s.top_logprobs for s in signed] if top else None,
         )
+        return await respond(request, answer, body.stream, self._decode, body.include_usage)
 
-    async def chat_completions(self, request: web.Request) -> web.Response:
+    async def chat_completions(self, request: web.Request) -> web.StreamResponse:
+        self._check_openai_caller(request)
         body = await read_json(request, ChatCompletionRequest)
-        rreq = self._request(self._chat_ids(body.messages), body)
-        top = body.top_logprobs if body.logprobs else 0
-        return await self._openai_generate(rreq, top, chat_response, body.logprobs)
+        top = (body.top_logprobs or 0) if body.logprobs else 0
+        ids = self._chat_ids(body.messages)
+        return await self._openai_generate(request, "chat", body, ids, top, body.logprobs)
 
-    async def completions(self, request: web.Request) -> web.Response:
+    async def completions(self, request: web.Request) -> web.StreamResponse:
+        self._check_openai_caller(request)
         body = await read_json(request, CompletionRequest)
         tok = self.worker.engine.tokenizer
         ids = (
@@ -230,12 +279,13 @@ class NodeServer:
         )
         if not ids:
             raise RequestRejected("prompt encodes to no tokens")
-        rreq = self._request(list(ids), body)
+        wanted = body.logprobs is not None
         return await self._openai_generate(
-            rreq, body.logprobs or 0, completion_response, body.logprobs
+            request, "completion", body, list(ids), body.logprobs or 0, wanted
         )
 
     async def tokenize(self, request: web.Request) -> web.Response:
+        self._check_openai_caller(request)
         body = await read_json(request, TokenizeRequest)
         tok = self.worker.engine.tokenizer
         if body.messages is not None:

@@ -5,7 +5,10 @@ into the engine between requests, keep seeding it to the others.
 manifest (pushed by the scheduler, or relayed in a heartbeat answer). It starts one
 background fetch per version: the tracker (the scheduler) names the other members, the
 update names the trainer's seed. A node that finds complete peers at the tracker leaves
-the trainer alone unless those peers stall (`seeder_fallback_s`).
+the trainer alone unless those peers stall (`seeder_fallback_s`). When the update lists
+deltas and the node holds the base of one of them, it fetches only the deltas after that
+base, rebuilds each version (`protocol.swarm.delta`) and seeds it in full, so a late
+joiner (no base) fetches the newest full version from peers, not from the trainer.
 
 Invariants:
 - Nothing is fetched unless the pool's trainer key signed the manifest and the update
@@ -13,7 +16,13 @@ Invariants:
   (`protocol.swarm`), so the engine only ever loads bytes the trainer published.
 - The engine loads a version only when it is newer than the one it serves; the swap runs
   on the engine thread, between batches (hot swap, no restart).
+- A version rebuilt from a delta is loaded or seeded only after every piece of it hashed
+  to its trainer-signed full manifest (the one the delta manifest carries); a forged
+  delta manifest, a delta that does not apply or a rebuild that does not match sends the
+  node to the full version instead.
 - The newest `keep_versions` versions stay on disk and seeded; older ones are removed.
+- Before each fetch the node holds a reservation on the trainer's seed (the pool's
+  relay, `use_relay`), so peers that cannot dial it (NAT) still reach it through there.
 """
 
 from __future__ import annotations
@@ -29,8 +38,9 @@ from node.config import NodeWeightsConfig
 from protocol.identity import Identity, node_id_from_public_key
 from protocol.messages import Manifest, SwarmAnnounce, WeightUpdate
 from protocol.swarm.config import SwarmConfig
+from protocol.swarm.delta import DeltaError, apply_delta
 from protocol.swarm.host import SwarmHost
-from protocol.swarm.manifest import open_manifest
+from protocol.swarm.manifest import MANIFEST_FILE, ManifestError, build_manifest, open_manifest
 from protocol.swarm.tracker import TrackerClient, dial_addrs
 
 log = logging.getLogger("prime.node.swarm")
@@ -67,6 +77,7 @@ class SwarmWeights:
         self.tasks: dict[str, asyncio.Task] = {}  # manifest hash -> fetch-and-load
         self._announcer: asyncio.Task | None = None
         self.versions: dict[str, int] = {}  # manifest hash -> step, fetched or fetching
+        self.held: dict[str, Path] = {}  # full manifest hash -> its complete folder
 
     @classmethod
     def from_config(
@@ -152,13 +163,43 @@ class SwarmWeights:
 
     async def _fetch_and_load(self, update: WeightUpdate, manifest: Manifest, digest: str) -> None:
         """`manifest` is the update's, already checked against the trainer key by `want`."""
-        dest = self.folder / f"step_{manifest.step}_{digest[:12]}"
         loop = asyncio.get_running_loop()
         started = loop.time()
-        # The trainer's seed is dialed only when no peer holds the whole version yet, or when
+        if self.cfg.use_relay and update.seeders:
+            # The trainer's seed is the pool's relay: behind NAT, this is how peers reach us.
+            await asyncio.to_thread(self.host.reserve, list(update.seeders))
+        path = await self._via_deltas(update, digest) if update.deltas else None
+        how = "through deltas"
+        if path is None:
+            dest = self.folder / f"step_{manifest.step}_{digest[:12]}"
+            path = await self._fetch(update.manifest, digest, manifest.step, dest, update)
+            how = "in full"
+        self.held[digest] = path
+        log.info(
+            "step %d fetched %s in %.1f s into %s",
+            manifest.step,
+            how,
+            loop.time() - started,
+            path.name,
+        )
+        await self._announce(digest)
+        if manifest.step > self.current_version() and self.load is not None:
+            await self.load(
+                WeightUpdate(version=manifest.step, path=str(path), weights_hash=digest)
+            )
+            self.on_loaded()
+        await self._forget_old()
+
+    async def _fetch(
+        self, envelope: bytes, digest: str, step: int, dest: Path, update: WeightUpdate
+    ) -> Path:
+        """Fetch one torrent (a full version or a delta) into `dest` from the swarm."""
+        loop = asyncio.get_running_loop()
+        # The trainer's seed is dialed only when no peer holds the whole torrent yet, or when
         # those that do stall; never because another peer mentioned it.
         trainer_ids = {node_id_from_public_key(k) for k in self.trusted}
-        future = self.host.fetch(update.manifest, dest, [], spare=trainer_ids)
+        future = self.host.fetch(envelope, dest, [], spare=trainer_ids)
+        self.versions.setdefault(digest, step)
         members = await self._announce(digest)
         seeded_by_peers = any(complete for _, complete in members)
         if not seeded_by_peers:
@@ -174,28 +215,68 @@ class SwarmWeights:
             if status.have > last_have:
                 last_have, last_progress = status.have, loop.time()
             if not trainer_added and loop.time() - last_progress > self.seeder_fallback_s:
-                log.info("peers stalled on step %d: asking the trainer's seed", manifest.step)
+                log.info("peers stalled on step %d: asking the trainer's seed", step)
                 await asyncio.to_thread(self.host.add_peers, digest, list(update.seeders))
                 trainer_added = True
-        path = await done
-        log.info(
-            "step %d fetched in %.1f s into %s", manifest.step, loop.time() - started, path.name
-        )
-        await self._announce(digest)
-        if manifest.step > self.current_version() and self.load is not None:
-            await self.load(
-                WeightUpdate(version=manifest.step, path=str(path), weights_hash=digest)
-            )
-            self.on_loaded()
-        await self._forget_old()
+        return await done
+
+    async def _via_deltas(self, update: WeightUpdate, digest: str) -> Path | None:
+        """Rebuild the update's version from a version this node holds and the deltas after
+        it (`protocol.swarm.delta`), each result hashed against its signed full manifest
+        and then seeded like a fetched version; None when no delta applies (no base held,
+        a forged manifest, a rebuild that does not match): the caller fetches it in full."""
+        try:
+            chain = [open_manifest(e, self.trusted) for e in update.deltas]
+            results = [open_manifest(d.result, self.trusted) for d in chain]
+        except ManifestError as exc:
+            log.error("deltas of step %d refused (fetching it in full): %s", update.version, exc)
+            return None
+        starts = [i for i, d in enumerate(chain) if d.delta_of in self.held]
+        if not starts or results[-1].digest() != digest:
+            return None
+        base = self.held[chain[starts[-1]].delta_of]
+        for d, envelope, result in zip(
+            chain[starts[-1] :], update.deltas[starts[-1] :], results[starts[-1] :], strict=True
+        ):
+            r_digest = result.digest()
+            if r_digest in self.held:
+                base = self.held[r_digest]
+                continue
+            d_digest = d.digest()
+            d_dest = self.folder / f"delta_{d.step}_{d_digest[:12]}"
+            delta = await self._fetch(envelope, d_digest, d.step, d_dest, update)
+            out = self.folder / f"step_{result.step}_{r_digest[:12]}"
+            try:
+                await asyncio.to_thread(apply_delta, base, delta, out)
+                rebuilt = await asyncio.to_thread(
+                    build_manifest, out, result.step, result.piece_size, result.parent_step
+                )
+            except DeltaError as exc:
+                log.error("delta of step %d does not apply: %s", d.step, exc)
+                return None
+            if rebuilt.pieces != result.pieces or rebuilt.files != result.files:
+                # Every delta piece matched the trainer's hashes: the base was not what
+                # it claims (a damaged disk). Nothing rebuilt is ever loaded or served.
+                shutil.rmtree(out, ignore_errors=True)
+                log.error("step %d rebuilt from its delta does not match its manifest", d.step)
+                return None
+            (out / MANIFEST_FILE).write_bytes(d.result)
+            await asyncio.to_thread(self.host.seed, d.result, out)
+            self.versions[r_digest] = result.step
+            self.held[r_digest] = out
+            await self._announce(r_digest)  # peers that lack the base fetch it from us
+            base = out
+        return base
 
     async def _forget_old(self) -> None:
-        newest = sorted(self.versions.items(), key=lambda kv: kv[1], reverse=True)
-        for digest, step in newest[self.keep_versions :]:
+        """Keep the newest `keep_versions` steps (a step's full version and its delta)."""
+        kept = sorted(set(self.versions.values()), reverse=True)[: self.keep_versions]
+        for digest, step in [(d, k) for d, k in self.versions.items() if k not in kept]:
             task = self.tasks.pop(digest, None)
             if task is not None and not task.done():
                 continue  # still fetching: not old yet
             self.versions.pop(digest, None)
+            self.held.pop(digest, None)
             status = await asyncio.to_thread(self.host.status, digest)
             await asyncio.to_thread(self.host.remove, digest)
             if status is not None:

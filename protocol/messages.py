@@ -38,29 +38,92 @@ class Message(BaseModel):
         return hashlib.sha256(encode(self)).hexdigest()
 
 
-class SamplingParams(Message):
-    """How tokens are chosen. The same parameters are replayed by the verifier."""
+# Smallest non-zero temperature. Every check compares scaled logits (logits / T) in absolute
+# units, so an honest engine's numerical error grows as 1/T: at T = 0.01 an fp32 logit error
+# (~1e-6) is still 10x under the tightest calibrated tolerance (tiny fp32: 1e-3), while a
+# bf16 one (~1e-2) already reaches 1 nat of logprob on a near-tie; smaller T would get honest
+# nodes rejected for the request's choice. Nothing is lost by refusing: below 0.01 a logit
+# gap of 0.1 is odds of e**10, practically greedy, and temperature 0 says so exactly. (vLLM
+# silently turns T < 1e-5 into greedy; we refuse, so a rollout's declared parameters are
+# the ones it was sampled with.)
+MIN_TEMPERATURE = 0.01
+# Largest top_k: any top_k at or above the vocabulary size keeps every token (the sampler and
+# the checks clamp it the same way); the bound keeps it an int32 and msgpack-encodable.
+MAX_TOP_K = 2**31 - 1
+MAX_STOP_STRINGS = 8
+MAX_STOP_CHARS = 64
 
-    temperature: float = Field(1.0, ge=0.0, le=10.0)
-    """Softmax temperature; 0 means greedy (argmax)."""
-    top_p: float = Field(1.0, gt=0.0, le=1.0)
-    """Nucleus sampling: keep the smallest set of tokens whose probability sums to top_p."""
-    top_k: int = Field(0, ge=0)
-    """Keep only the k most likely tokens; 0 disables the filter."""
+
+class SamplingParams(Message):
+    """How tokens are chosen. The same parameters are replayed by the verifier.
+
+    Only values every engine and every verifier treat identically are accepted: a value
+    that would make an honest rollout fail verification (or fail to be signed) is refused
+    here, with a message naming it."""
+
+    temperature: float = Field(1.0, ge=0.0, le=10.0, allow_inf_nan=False)
+    """Softmax temperature; 0 means greedy (argmax), otherwise at least `MIN_TEMPERATURE`."""
+    top_p: float = Field(1.0, gt=0.0, le=1.0, allow_inf_nan=False)
+    """Nucleus sampling: keep the smallest set of tokens whose probability sums to top_p
+    (never empty: the most likely token is always kept, however small top_p is)."""
+    top_k: int = Field(0, ge=0, le=MAX_TOP_K)
+    """Keep only the k most likely tokens; 0 (or k >= vocabulary size) disables the filter."""
     max_tokens: int = Field(64, ge=1, le=65536)
     """Maximum number of completion tokens; reaching it ends with finish_reason 'length'."""
     stop: tuple[str, ...] = ()
-    """Strings that end the completion when they appear in its text."""
+    """Strings that end the completion when they appear in its text (at most 8, each 1 to
+    64 characters of valid Unicode)."""
     ignore_eos: bool = False
     """Keep generating past the end-of-sequence token (benchmarks)."""
+
+    @field_validator("temperature")
+    @classmethod
+    def check_temperature_greedy_or_at_least_min(cls, v: float) -> float:
+        if 0.0 < v < MIN_TEMPERATURE:
+            raise ValueError(
+                f"temperature must be 0 (greedy) or at least {MIN_TEMPERATURE}, got {v!r}: "
+                "smaller temperatures cannot be verified reliably; use 0 for greedy decoding"
+            )
+        return v
+
+    @field_validator("stop")
+    @classmethod
+    def check_stop_strings_at_most_max(cls, v: tuple[str, ...]) -> tuple[str, ...]:
+        if len(v) > MAX_STOP_STRINGS:
+            raise ValueError(f"at most {MAX_STOP_STRINGS} stop strings, got {len(v)}")
+        return v
 
     @field_validator("stop")
     @classmethod
     def check_stop_strings_non_empty(cls, v: tuple[str, ...]) -> tuple[str, ...]:
         if any(not s for s in v):
             raise ValueError("stop strings must not be empty")
-        if len(v) > 8:
-            raise ValueError("at most 8 stop strings")
+        return v
+
+    @field_validator("stop")
+    @classmethod
+    def check_stop_strings_short(cls, v: tuple[str, ...]) -> tuple[str, ...]:
+        long = [s for s in v if len(s) > MAX_STOP_CHARS]
+        if long:
+            raise ValueError(
+                f"stop strings must be at most {MAX_STOP_CHARS} characters, "
+                f"got one of {len(long[0])}: {long[0][:16]!r}..."
+            )
+        return v
+
+    @field_validator("stop")
+    @classmethod
+    def check_stop_strings_valid_unicode(cls, v: tuple[str, ...]) -> tuple[str, ...]:
+        # A lone surrogate (e.g. from a JSON "\ud800" escape) has no UTF-8 encoding: the
+        # rollout could not be signed.
+        for s in v:
+            try:
+                s.encode("utf-8")
+            except UnicodeEncodeError:
+                raise ValueError(
+                    f"stop string {s!r} is not valid Unicode (lone surrogate); "
+                    "it cannot be encoded as UTF-8"
+                ) from None
         return v
 
 
@@ -208,6 +271,10 @@ class WeightUpdate(Message):
     """Trainer-signed `Manifest` envelope (swarm transport); empty for the filesystem one."""
     seeders: list[str] = Field([], max_length=64)
     """libp2p multiaddrs (ending in /p2p/<peer id>) that hold every piece (swarm transport)."""
+    deltas: list[bytes] = Field([], max_length=16)
+    """Trainer-signed delta manifests of the versions up to this one, oldest first, each
+    against the version before it (swarm transport): a node holding one of their bases
+    fetches only the deltas after it instead of the full `manifest`."""
 
     @model_validator(mode="after")
     def check_path_or_manifest(self) -> WeightUpdate:
@@ -262,6 +329,22 @@ class Invite(Message):
     """Node id the invite is bound to ('' = whoever presents it first)."""
 
 
+class ApiKey(Message):
+    """A key to the pool's OpenAI endpoint: signed by the pool owner, expiring with its
+    envelope; clients send it as `Authorization: Bearer <token>` (`scheduler.pool`)."""
+
+    pool_id: str = Field(min_length=1, max_length=64)
+    """Pool whose endpoint the key opens."""
+    key_id: str = Field(min_length=8, max_length=64)
+    """Unique id: what the scheduler logs, rate-limits by and can revoke."""
+    name: str = Field("", max_length=128)
+    """Who the key was issued to (for logs)."""
+    rate_per_s: float = Field(20.0, gt=0, le=100_000)
+    """Sustained calls per second allowed under this key."""
+    burst: int = Field(64, ge=1, le=1_000_000)
+    """Calls allowed at once above the sustained rate."""
+
+
 class RegisterRequest(Message):
     """Worker -> scheduler: admit me to this pool."""
 
@@ -269,12 +352,14 @@ class RegisterRequest(Message):
     """Pool to join."""
     operator: str = Field("", max_length=128)
     """Operator label; a verifier is never of the generator's operator."""
-    http_url: str = Field(min_length=8, max_length=512)
-    """Where the worker's HTTP API listens (http://host:port)."""
     p2p_addrs: list[str] = Field([], max_length=16)
     """libp2p multiaddrs of the node."""
     engine: Literal["torch", "vllm", "loadtest"] = "torch"
     """Inference engine kind ('loadtest' is the benchmark's instant fake engine)."""
+    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    """Compute dtype of the node's engine."""
+    device: Literal["cpu", "cuda"] = "cpu"
+    """Device kind of the node's engine."""
     model: str = Field("", max_length=512)
     """Model the node serves (must be the pool's)."""
     weights_version: int = Field(0, ge=0)
@@ -285,13 +370,6 @@ class RegisterRequest(Message):
     """Requests the node takes at once before the scheduler holds more back."""
     invite: bytes = Field(b"", max_length=4096)
     """Invite token envelope (invite-only pools)."""
-
-    @field_validator("http_url")
-    @classmethod
-    def check_http_url(cls, v: str) -> str:
-        if not v.startswith(("http://", "https://")):
-            raise ValueError("http_url must start with http:// or https://")
-        return v.rstrip("/")
 
 
 class RegisterResponse(Message):
@@ -307,6 +385,18 @@ class RegisterResponse(Message):
     """How often the node must heartbeat."""
     weights_envelope: bytes = b""
     """The trainer-signed `WeightUpdate` of the pool's current weights (empty: the base model)."""
+
+
+class ChannelHello(Message):
+    """Worker -> scheduler, the first frame on its node channel (`protocol.channel`): this
+    connection is mine, and it answers the challenge the scheduler sent on it."""
+
+    node_id: str = Field(min_length=1, max_length=128)
+    """Sender's node id (the key that signs this is the one it registered with)."""
+    pool_id: str = Field(min_length=1, max_length=64)
+    """Pool the node registered in."""
+    challenge: bytes = Field(min_length=32, max_length=32)
+    """The random bytes the scheduler sent first on this connection."""
 
 
 class Deregister(Message):
@@ -411,6 +501,60 @@ class AdmissionPolicy(Message):
     """Node ids admitted in allowlist mode."""
 
 
+class EngineMix(Message):
+    """What generates a pool's rollouts: honest error, hence every threshold, depends on it."""
+
+    engine: Literal["torch", "vllm", "loadtest"]
+    """Inference engine kind of the generating node."""
+    dtype: Literal["float32", "bfloat16", "float16"]
+    """Its compute dtype."""
+    device: Literal["cpu", "cuda"]
+    """Its device kind."""
+
+    def label(self) -> str:
+        return f"{self.engine}/{self.dtype}/{self.device}"
+
+
+class EvidencePolicy(Message):
+    """Per-node evidence (`protocol.evidence`): the honest noise of the pool's engine mix and
+    the false-flag budget of the sequential test over each generator's rollouts."""
+
+    mu: float = Field(ge=0)
+    """Honest mean of a rollout's clipped mean |logprob error| (nats)."""
+    between: float = Field(ge=0)
+    """Rollout-to-rollout standard deviation of that mean, whatever the length."""
+    token: float = Field(ge=0)
+    """Per-token standard deviation of the clipped error (its share shrinks as 1/sqrt(n))."""
+    cap: float = Field(1.0, gt=0)
+    """Per-token errors are clipped here before averaging."""
+    shift: float = Field(1.0, gt=0)
+    """The systematic excess, in honest standard deviations of a rollout's score, the test
+    is tuned to catch fastest (larger excesses are caught faster still)."""
+    false_flag_rate: float = Field(1e-6, gt=0, lt=1)
+    """Probability that an honest node is flagged at least once within `horizon` rollouts."""
+    horizon: int = Field(10_000, ge=1)
+    """Rollouts of one node that `false_flag_rate` covers."""
+
+    @property
+    def threshold(self) -> float:
+        """CUSUM level that keeps `false_flag_rate` over `horizon` rollouts."""
+        return math.log(self.horizon / self.false_flag_rate)
+
+    def sd(self, tokens: int) -> float:
+        return math.sqrt(self.between**2 + self.token**2 / max(tokens, 1))
+
+    def z(self, score: float, tokens: int) -> float:
+        """A rollout's score in honest standard deviations above honest noise."""
+        sd = self.sd(tokens)
+        return (score - self.mu) / sd if sd > 0 else (math.inf if score > self.mu else 0.0)
+
+    def expected_delay(self, delta: float) -> float:
+        """Rollouts until a node `delta` standard deviations above honest is flagged (inf
+        when the drift is not positive: too small an excess to ever be caught)."""
+        drift = self.shift * delta - self.shift**2 / 2
+        return self.threshold / drift if drift > 0 else math.inf
+
+
 class VerificationPolicy(Message):
     """How rollouts are checked; thresholds come from `prime-node calibrate`."""
 
@@ -433,13 +577,28 @@ class VerificationPolicy(Message):
     max_logprob_abs_diff: float = Field(0.5, gt=0)
     """Largest allowed |claimed - recomputed| logprob of any single token."""
     max_logprob_mean_abs_diff: float = Field(0.05, gt=0)
-    """Largest allowed mean |claimed - recomputed| logprob over the completion."""
+    """Largest allowed mean |claimed - recomputed| logprob over the completion (of at least
+    `logprob_mean_min_tokens` tokens)."""
+    logprob_mean_min_tokens: int = Field(16, ge=1, le=4096)
+    """Completions shorter than this are judged by the per-token maximum alone: the mean of
+    a few tokens is as noisy as one token (on the H200 in bf16 an honest 2-token mean
+    reached 0.15, 1.5 x the longest completions' worst), and the per-node evidence, not this
+    check, is what sees a small systematic excess."""
     sampling_tolerance: float = Field(0.05, ge=0)
     """Replay: a chosen token's perturbed score may trail the best by at most this."""
     max_sampling_mismatch_fraction: float = Field(0.02, ge=0, le=1)
     """Replay: fraction of tokens allowed outside the tolerance (numerical near-ties)."""
+    engine_mixes: list[EngineMix] = Field([], max_length=64)
+    """The engine mixes these thresholds were calibrated for (`prime-node calibrate` writes
+    its own); a node generating with another mix is refused at registration. Empty: the
+    policy states none, and no node is admitted (`pool create` refuses such a pool)."""
+    evidence: EvidencePolicy | None = None
+    """The per-node sequential test over verified rollouts' errors (None: off); fitted by
+    `prime-node calibrate` for the same engine mix as the thresholds."""
     support_tolerance: float = Field(0.01, ge=0)
-    """Support: slack on the top-p mass when deciding a token was inside the nucleus."""
+    """Support: slack on the top-p mass when deciding a token was inside the nucleus, and
+    the width of a near-tie at the support's edge (tokens within a factor 1 - slack in
+    probability count as either side; `verifier.sampling.support_mask`)."""
 
 
 class ReputationPolicy(Message):
@@ -534,6 +693,12 @@ class Manifest(Message):
     """Tensor layout of the safetensors files (informational: pieces are what is checked)."""
     pieces: list[str] = []
     """Hex SHA-256 of every piece, in order."""
+    delta_of: str = Field("", max_length=64)
+    """A delta version (`protocol.swarm.delta`): the manifest hash of the full version it
+    applies to ('' = a full version)."""
+    result: bytes = Field(b"", max_length=16 * 1024 * 1024)
+    """A delta version: the trainer-signed manifest envelope of the full version it
+    produces; a node hashes its reconstruction against it before loading or seeding it."""
 
     @model_validator(mode="after")
     def check_sizes_add_up(self) -> Manifest:

@@ -10,6 +10,7 @@ its parent dies, so a killed test run or launcher leaves no orphans.
 from __future__ import annotations
 
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -32,10 +33,36 @@ def _die_with_parent() -> None:
         pass
 
 
+# Ports handed out by this process, never handed out twice.
+_GIVEN: set[int] = set()
+
+
+def _ephemeral_range() -> tuple[int, int]:
+    try:
+        low, high = Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()
+        return int(low), int(high)
+    except (OSError, ValueError):
+        return 32768, 60999
+
+
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A loopback TCP port that is free now, for a child to bind later. It is taken below
+    the kernel's ephemeral range: a port from bind(0) lies inside it, where any outgoing
+    connection or port-0 listener (libp2p, httpx) may take it before the child binds."""
+    low, _ = _ephemeral_range()
+    floor = max(1024, low - 12000)
+    for _ in range(200):
+        port = random.randrange(floor, low)
+        if port in _GIVEN:
+            continue
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        _GIVEN.add(port)
+        return port
+    raise RuntimeError(f"no free loopback port in {floor}-{low}")
 
 
 @dataclass

@@ -19,7 +19,7 @@ from sqlalchemy.exc import IntegrityError
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 from protocol.envelope import Opened
-from protocol.messages import RegisterRequest
+from protocol.messages import EngineMix, RegisterRequest
 from scheduler import db
 from scheduler.pool import PoolError, SignedPool, check_invite
 from scheduler.registry import NodeRecord
@@ -47,6 +47,16 @@ async def admit(
         raise Refused(404, f"this scheduler runs pool {cfg.pool_id!r}, not {req.pool_id!r}")
     if req.model and req.model != cfg.model:
         raise Refused(400, f"pool {cfg.pool_id!r} trains model {cfg.model!r}, not {req.model!r}")
+    mix = EngineMix(engine=req.engine, dtype=req.dtype, device=req.device)
+    covered = cfg.verification.engine_mixes
+    if mix not in covered:
+        raise Refused(
+            403,
+            f"pool {cfg.pool_id!r}'s verification thresholds were calibrated for "
+            f"{', '.join(m.label() for m in covered) or 'no engine mix'}, not {mix.label()}: "
+            "run the node with a covered engine, dtype and device, or ask the pool owner to "
+            "calibrate this mix (prime-node calibrate) and add it",
+        )
     if existing is not None and existing.state == "banned":
         raise Refused(403, f"node {node_id} is banned from this pool: {existing.reason}")
     invite_id = ""

@@ -1,4 +1,5 @@
-"""`prime-scheduler`: run a pool's scheduler daemon, create pools, issue invites, migrate.
+"""`prime-scheduler`: run a pool's scheduler daemon, create pools, issue invites and API keys,
+migrate.
 
 Every command takes its settings through the shared config loader (`protocol.config`):
 ``--section.key value`` flags, ``@ file.toml`` and ``PRIME_`` env vars.
@@ -16,7 +17,7 @@ from protocol.config import load_config_or_exit, write_resolved
 from protocol.logs import setup_logging
 
 app = typer.Typer(help="prime-swarm scheduler daemon.", no_args_is_help=True, add_completion=False)
-pool_app = typer.Typer(help="Create pools and invites.", no_args_is_help=True)
+pool_app = typer.Typer(help="Create pools, invites and API keys.", no_args_is_help=True)
 db_app = typer.Typer(help="Database schema.", no_args_is_help=True)
 app.add_typer(pool_app, name="pool")
 app.add_typer(db_app, name="db")
@@ -90,16 +91,10 @@ def pool_create(ctx: typer.Context) -> None:
     print(out)
 
 
-@pool_app.command("invite")
-def pool_invite(
-    pool_file: Annotated[Path, typer.Option(help="The signed pool file.")],
-    owner_key: Annotated[Path, typer.Option(help="Owner key file.")] = DEFAULT_OWNER_KEY,
-    ttl_h: Annotated[float, typer.Option(help="Hours the invite stays valid.")] = 24.0,
-    node_id: Annotated[str, typer.Option(help="Bind the invite to this node id.")] = "",
-) -> None:
-    """Print a single-use invite token for an invite-only pool."""
+def _owned_pool(pool_file: Path, owner_key: Path):
+    """The pool file and its owner identity, or a clear exit."""
     from protocol.identity import Identity
-    from scheduler.pool import PoolError, make_invite, read_pool
+    from scheduler.pool import PoolError, read_pool
 
     try:
         pool = read_pool(pool_file)
@@ -113,7 +108,41 @@ def pool_invite(
     if owner.public_key != pool.owner_key:
         console.print(f"[red]{owner_key} is not the owner key of pool {pool.config.pool_id}[/red]")
         raise typer.Exit(2)
+    return pool, owner
+
+
+@pool_app.command("invite")
+def pool_invite(
+    pool_file: Annotated[Path, typer.Option(help="The signed pool file.")],
+    owner_key: Annotated[Path, typer.Option(help="Owner key file.")] = DEFAULT_OWNER_KEY,
+    ttl_h: Annotated[float, typer.Option(help="Hours the invite stays valid.")] = 24.0,
+    node_id: Annotated[str, typer.Option(help="Bind the invite to this node id.")] = "",
+) -> None:
+    """Print a single-use invite token for an invite-only pool."""
+    from scheduler.pool import make_invite
+
+    pool, owner = _owned_pool(pool_file, owner_key)
     print(make_invite(owner, pool.config.pool_id, ttl_h * 3600, node_id))
+
+
+@pool_app.command("api-key")
+def pool_api_key(
+    pool_file: Annotated[Path, typer.Option(help="The signed pool file.")],
+    name: Annotated[str, typer.Option(help="Who the key is for (shown in logs).")],
+    owner_key: Annotated[Path, typer.Option(help="Owner key file.")] = DEFAULT_OWNER_KEY,
+    ttl_h: Annotated[float, typer.Option(help="Hours the key stays valid.", min=0.001)] = 24.0
+    * 365,
+    rate: Annotated[float, typer.Option(help="Sustained calls per second.", min=0.001)] = 20.0,
+    burst: Annotated[int, typer.Option(help="Calls at once above the rate.", min=1)] = 64,
+) -> None:
+    """Print an API key (bearer token) for the pool's OpenAI endpoint; its key id (for
+    `--openai.revoked-keys`) goes to stderr."""
+    from scheduler.pool import check_api_key, make_api_key
+
+    pool, owner = _owned_pool(pool_file, owner_key)
+    token = make_api_key(owner, pool.config.pool_id, name, ttl_h * 3600, rate, burst)
+    console.print(f"API key {check_api_key(token, pool).key_id} for {name!r}")
+    print(token)
 
 
 @db_app.command("upgrade")

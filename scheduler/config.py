@@ -48,6 +48,9 @@ class ServerConfig(Section):
     """Port to listen on."""
     max_body_bytes: int = Field(64 * 1024 * 1024, ge=1024)
     """Largest request body accepted; larger ones get 413."""
+    body_read_timeout_s: float = Field(30.0, gt=0, le=3600)
+    """A request body not received in full within this many seconds gets a JSON 408 and a
+    closed connection (a client that sends part of its body cannot hold a slot)."""
 
 
 class LifecycleConfig(Section):
@@ -74,6 +77,23 @@ class LifecycleConfig(Section):
         return self
 
 
+class ChannelConfig(Section):
+    """Node channels: the WebSocket each node opens to the scheduler, which carries every
+    call the scheduler makes to it (generation, verification, judges, weights pushes)."""
+
+    ping_interval_s: float = Field(5.0, gt=0, le=300)
+    """The scheduler pings every channel this often; one whose pong is missing half an
+    interval later is closed, its calls fail over to other nodes (a dead link is known
+    within 1.5 intervals, however quiet the node is)."""
+    hello_timeout_s: float = Field(10.0, gt=0, le=300)
+    """A connection that has not sent its signed hello by then is closed."""
+    max_frame_bytes: int = Field(64 * 1024 * 1024, ge=64 * 1024)
+    """Largest frame taken from a node (an answer); larger ones close its channel."""
+    max_in_flight: int = Field(1024, ge=1, le=65536)
+    """Calls outstanding on one channel at once; more wait for a free slot (flow control:
+    one node cannot be handed more than this, whatever its advertised capacity)."""
+
+
 class DispatchConfig(Section):
     """How rollout requests are sent to generators and verifiers."""
 
@@ -87,12 +107,44 @@ class DispatchConfig(Section):
     """Requests waiting for a node before submissions get 503 (backpressure)."""
     verifier_wait_s: float = Field(120.0, gt=0)
     """How long a rollout waits for an eligible verifier (or judge) before it is given up on."""
-    openai_timeout_s: float = Field(300.0, gt=0)
-    """Timeout of a call through the OpenAI-compatible endpoint."""
+    openai_timeout_s: float = Field(900.0, gt=0)
+    """How long a call through the OpenAI-compatible endpoint waits for its verified
+    rollouts (generation, verification and any regeneration) before it gets 503."""
     probation: int = Field(4, ge=0)
     """A node may have this many generations in flight, plus one per accepted rollout of
     its, up to its capacity (0: no probation). Bounds what a new cheater can get through
     the door before its first disputes ban it."""
+
+    @model_validator(mode="after")
+    def check_openai_timeout_outlasts_a_generation(self) -> DispatchConfig:
+        if self.openai_timeout_s <= self.generate_timeout_s:
+            raise ValueError(
+                f"dispatch.openai_timeout_s ({self.openai_timeout_s:g}) must exceed "
+                f"dispatch.generate_timeout_s ({self.generate_timeout_s:g}): a call that "
+                "meets a silent generator must still be served by another"
+            )
+        return self
+
+
+class OpenAIConfig(Section):
+    """The pool's OpenAI-compatible endpoint: a front of the signed dispatch path."""
+
+    tokenizer: Path | None = None
+    """Hugging Face model folder whose tokenizer (tokenizer.json + chat template) turns
+    clients' prompts into token ids on this trusted side; None = the pool's model, when
+    that names a folder. Without one, only prompts given as token ids are served."""
+    revoked_keys: list[str] = []
+    """Key ids (`ApiKey.key_id`, printed by `prime-scheduler pool api-key`) refused even
+    though their signature and expiry are good."""
+    default_max_tokens: int = Field(256, ge=1, le=65536)
+    """max_tokens of a call that names none."""
+
+    @field_validator("tokenizer")
+    @classmethod
+    def check_tokenizer_folder(cls, v: Path | None) -> Path | None:
+        if v is not None and not (v.expanduser() / "tokenizer.json").is_file():
+            raise ValueError(f"{v} holds no tokenizer.json: give a Hugging Face model folder")
+        return v
 
 
 class RateLimitConfig(Section):
@@ -136,10 +188,14 @@ class SchedulerConfig(PrimeSettings):
     """HTTP server."""
     lifecycle: LifecycleConfig = LifecycleConfig()
     """Heartbeats and node states."""
+    channel: ChannelConfig = ChannelConfig()
+    """The node channels (node-initiated WebSockets)."""
     dispatch: DispatchConfig = DispatchConfig()
     """Dispatch, retries, timeouts, backpressure."""
     rate_limits: RateLimitConfig = RateLimitConfig()
     """Flood protection."""
+    openai: OpenAIConfig = OpenAIConfig()
+    """The OpenAI-compatible endpoint (API keys, tokenizer)."""
     replica: ReplicaConfig = ReplicaConfig()
     """Active/standby replicas on one database."""
     log_dir: Path = Path("runs/scheduler/logs")
@@ -191,6 +247,18 @@ class PoolCreateConfig(PrimeSettings):
             public_key_from_node_id(v)
         except IdentityError as exc:
             raise ValueError(f"trainer must be a node id or a key file path: {exc}") from exc
+        return v
+
+    @field_validator("verification")
+    @classmethod
+    def check_thresholds_state_their_engine_mix(cls, v: VerificationPolicy) -> VerificationPolicy:
+        if not v.engine_mixes:
+            raise ValueError(
+                "the verification thresholds state no engine mix they were calibrated for: "
+                "give a calibrated table (@ configs/verification/<model>-<engine>-<device>-"
+                "<dtype>.toml, or one written by `prime-node calibrate`), or list the mixes "
+                "with --verification.engine-mixes"
+            )
         return v
 
     @model_validator(mode="after")

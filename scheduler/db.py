@@ -60,7 +60,6 @@ nodes = Table(
     Column("pool_id", String(64), nullable=False),
     Column("public_key", LargeBinary, nullable=False),
     Column("operator", String(128), nullable=False, default=""),
-    Column("http_url", String(512), nullable=False),
     Column("address", String(64), nullable=False, default=""),
     Column("engine", String(16), nullable=False),
     Column("model", String(512), nullable=False, default=""),

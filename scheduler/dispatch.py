@@ -1,12 +1,18 @@
 """Dispatch: every open request goes to a generator, its rollout to a verifier (and a judge
 after a rejection), and its outcome into the results stream exactly once.
 
-A `Job` is one open request. Its life: queued -> generating on node A -> (spot check) ->
-verifying on node B -> accepted: (audit, see below) released; or rejected: a dispute judged
-by node C -> B overturned: released (B loses reputation); A wrong: A loses reputation and
-the job is queued again for another generator. Any failure of a node (connection, timeout,
-5xx, death) sends the job elsewhere; after `max_attempts` generations it is released as
-failed.
+A `Job` (`scheduler.jobs`, which keeps the open jobs and the queue) is one open request:
+submitted by the orchestrator (`submit`, source "dispatch") or made by the OpenAI front
+for a client's call (`call`, source "openai"; the front waits for its release and renders
+the answer from the released signed rollout). Both take the same path. Its life: queued ->
+generating on node A -> (spot check) -> verifying on node B -> accepted: (audit, see
+below) released; or rejected: a dispute judged by node C -> B overturned: released (B
+loses reputation); A wrong: A loses reputation and the job is queued again for another
+generator. Any failure of a node (connection, timeout, 5xx, death) sends the job
+elsewhere; after `max_attempts` generations it is released as failed. A node that refuses
+the request itself (a 4xx: too long for it, say) is not punished; once
+`REFUSALS_BEFORE_FAILING` nodes refused it, it is released as failed with their reason
+(the front answers it as the client's error).
 
 Audit (`VerificationPolicy.audit_rate`): with that probability a rollout is released as
 accepted only when two verifiers accepted it, and a generator is punished only when two
@@ -15,18 +21,22 @@ anything is released; an overturned rejection (B rejected, judge C accepted) is 
 a fourth node. Whenever two verifiers disagree, a third decides by majority and the
 minority loses reputation: an auditor that rejected an honest rollout, or a verifier that
 accepted a rollout two others rejected (punished like its generator: this is what catches
-a verifier that accepts everything). A rejected job is released as rejected (OpenAI
-calls) or queued again (dispatch). With audit_rate 1.0 a cheating generator's rollout is
-released only if two verifiers lie for it.
+a verifier that accepts everything). A rejected job is queued again for another
+generator. With audit_rate 1.0 a cheating generator's rollout is
+released only if two verifiers lie for it. Which verdict comes next and what the verdicts
+decide is `scheduler.verification.next_step` (pure, table-tested); this module picks and
+calls the nodes and applies the decision.
 
 Cheap checks before any verifier runs (`_check_rollout`): the signed rollout must answer
-exactly the request (id, seed, sampling, prompt, proof layout, min_version), and its
-(weights_version, weights_hash) must be what the trainer published for that version (the
-scheduler keeps every `WeightUpdate` it relays: `note_published`); a rollout claiming a
-version newer than any published is a lie too. Version 0 (the pool's base model, which a
-swarm trainer also announces under its manifest hash while nodes hash its folder) and
-updates published without a hash are not checked here; the
-verifier, who holds the weights of the claimed hash, checks what was generated.
+exactly the request (id, pool, seed, sampling, prompt, proof layout, min_version), and its
+(weights_version, weights_hash) must pass the published-weights ledger
+(`scheduler.ledger.WeightsLedger.check`: every `WeightUpdate` the scheduler relayed; a
+version newer than any published is a lie; version 0 and hashless updates are left to
+the verifier, who holds the weights of the claimed hash).
+
+Per-node evidence (`scheduler.evidence_watch`): every verdict (but the evidence rechecks'
+own) feeds its generator's sequential test; the release of a flagged node's rollouts
+waits until the recheck is over, and nothing of a node it bans is released.
 
 Timeouts: a node that lets `TIMEOUTS_BEFORE_BENCH` calls in a row time out (it heartbeats
 but never answers) is benched: unhealthy, no work, whatever its heartbeats say, for
@@ -39,8 +49,10 @@ Invariants:
   spot-check rate says so; nothing is released before its audit (when drawn) returned.
 - Every verdict received is written to the audit table with the generator's signed
   rollout and the verifier's signed verdict.
-- Restart: every request without a result is re-dispatched (or, for an OpenAI-endpoint
-  call whose rollout was stored, re-verified), so a scheduler crash loses nothing.
+- Every verification is given the signed request, whatever the job's source.
+- Restart: every submitted request without a result is re-dispatched, so a scheduler
+  crash loses nothing; an OpenAI call open at the crash is released as failed (its
+  client's connection is gone with the process).
 """
 
 from __future__ import annotations
@@ -49,95 +61,52 @@ import asyncio
 import contextlib
 import logging
 import random
-import secrets
 import time
 from collections import deque
 from collections.abc import Awaitable
-from dataclasses import dataclass, field
 from typing import Literal
 
-import aiohttp
 import msgpack
 from sqlalchemy import select
 from sqlalchemy.ext.asyncio import AsyncEngine
 
-from protocol.client import RemoteError, post_raw
+from protocol.client import RemoteError
 from protocol.codec import CodecError, decode, encode
 from protocol.envelope import EnvelopeError, open_envelope, seal
 from protocol.identity import Identity
-from protocol.messages import (
-    MAX_SEED,
-    Rollout,
-    RolloutRequest,
-    RolloutSpec,
-    Verdict,
-    VerifyRequest,
-)
+from protocol.messages import Rollout, RolloutRequest, RolloutSpec, Verdict, VerifyRequest
 from scheduler import db
+from scheduler.channel import NodeChannels
 from scheduler.config import DispatchConfig
+from scheduler.evidence_watch import EvidenceWatch
+from scheduler.jobs import Job, JobTable, Judged, Released, Saturated
+from scheduler.ledger import WeightsLedger
+from scheduler.lifecycle import BENCHED, CALLS_FAILING, transition
 from scheduler.metrics import SchedulerMetrics
 from scheduler.pool import SignedPool
 from scheduler.registry import NodeRecord, Registry
 from scheduler.results import AlreadyReleased, ResultsStream
+from scheduler.verification import REJECTED_HONEST, Decision, Role, VerdictKind, next_step
 
 log = logging.getLogger("prime.scheduler.dispatch")
-Source = Literal["dispatch", "openai"]
-VerdictKind = Literal["verify", "dispute", "audit"]
 TIMEOUTS_BEFORE_BENCH = 3
+REFUSALS_BEFORE_FAILING = 2
+# Overturned rejections remembered per generator (for a refund if it is banned later).
+OVERTURNED_KEPT = 64
 BENCH_S = 60.0
 MAX_BENCH_S = 3600.0
-
-
-class Saturated(Exception):
-    """The pool has more queued work than it accepts; retry later."""
 
 
 class NodeFailed(Exception):
     """A node did not do what was asked (down, timeout, error, malformed answer)."""
 
 
+class NodeRefused(NodeFailed):
+    """A node answered 4xx: it found the request itself invalid (not a node fault)."""
+
+
 class Cheated(Exception):
     """A node signed something that contradicts what it was asked: proof of dishonesty."""
-
-
-def new_seed() -> int:
-    return secrets.randbits(63) & MAX_SEED
-
-
-@dataclass
-class Job:
-    request_id: str
-    source: Source
-    spec: RolloutSpec
-    seed: int
-    submitted_at: float
-    queued_at: float = field(default_factory=time.monotonic)
-    attempts: int = 0
-    tried: set[str] = field(default_factory=set)
-    rollout_envelope: bytes | None = None
-    task: asyncio.Task | None = None
-
-    @property
-    def est_tokens(self) -> int:
-        return len(self.spec.prompt_ids) + self.spec.sampling.max_tokens
-
-    def request(self, pool_id: str, proof) -> RolloutRequest:
-        return RolloutRequest(
-            request_id=self.request_id,
-            pool_id=pool_id,
-            prompt_ids=self.spec.prompt_ids,
-            sampling=self.spec.sampling,
-            seed=self.seed,
-            min_version=self.spec.min_version,
-            proof=proof,
-        )
-
-
-@dataclass
-class Judged:
-    node: NodeRecord
-    verdict: Verdict
-    envelope: bytes
 
 
 class Dispatcher:
@@ -150,8 +119,11 @@ class Dispatcher:
         writer: db.Writer,
         cfg: DispatchConfig,
         metrics: SchedulerMetrics,
+        channels: NodeChannels,
+        ledger: WeightsLedger | None = None,
     ):
         self.pool = pool
+        self.channels = channels
         self.pool_id = pool.config.pool_id
         self.identity = identity
         self.registry = registry
@@ -159,11 +131,9 @@ class Dispatcher:
         self.writer = writer
         self.cfg = cfg
         self.metrics = metrics
-        self.jobs: dict[str, Job] = {}
-        self.queue: deque[Job] = deque()
+        self.jobs = JobTable(cfg.max_queued)
         self.wake = asyncio.Event()
         self.node_tasks: dict[str, set[asyncio.Task]] = {}
-        self.session: aiohttp.ClientSession | None = None
         self._loop_task: asyncio.Task | None = None
         self.upsert_node = db.upsert_stmt(engine, db.nodes)
         self.totals = {
@@ -176,10 +146,18 @@ class Dispatcher:
             "banned": 0,
         }
         self.recent_verdicts: deque[dict] = deque(maxlen=50)
-        # Weights version -> manifest hashes ('' when published without one) of every
-        # trainer-signed `WeightUpdate` the scheduler relayed (see `note_published`); a
-        # version republished under another manifest keeps both.
-        self.published: dict[int, set[str]] = {}
+        # Generator id -> verifiers that lost a dispute for rejecting one of its rollouts
+        # (a judge accepted it): if that generator is banned later they were right, and
+        # get the reputation back (an honest verifier rejecting a borderline cheat).
+        self.overturned: dict[str, deque[str]] = {}
+        self.evidence = EvidenceWatch(
+            pool.config.verification.evidence, registry, self._judge, self._ban
+        )
+        # Request id -> the OpenAI front waiting for that job's release.
+        self.waiters: dict[str, asyncio.Future[Released]] = {}
+        # What the trainer published (`scheduler.ledger`): `_check_rollout` checks each
+        # rollout's claim against it.
+        self.ledger = ledger or WeightsLedger()
         self.results = ResultsStream(engine, writer)
         # Statements are built once: the writer batches consecutive writes of one statement.
         self.insert_request = db.insert_ignoring_duplicates(engine, db.requests)
@@ -187,9 +165,6 @@ class Dispatcher:
 
     # -- lifecycle -------------------------------------------------------------------
     async def start(self) -> None:
-        self.session = aiohttp.ClientSession(
-            connector=aiohttp.TCPConnector(limit=0, limit_per_host=0, keepalive_timeout=60),
-        )
         await self.results.load()
         async with self.engine.connect() as conn:
             open_rows = (
@@ -207,13 +182,10 @@ class Dispatcher:
                 row.seed,
                 row.submitted_at,
             )
-            job.rollout_envelope = row.rollout_envelope
-            self.jobs[job.request_id] = job
             if job.source == "dispatch":
-                self.queue.append(job)
-            elif job.rollout_envelope is not None:
-                self._spawn(job, self._reverify_stored(job))
+                self.jobs.admit([job])
             else:
+                self.jobs[job.request_id] = job
                 self._spawn(job, self._release(job, "failed", "scheduler restarted mid-call"))
         if open_rows:
             log.info("recovered %d open requests after a restart", len(open_rows))
@@ -223,13 +195,12 @@ class Dispatcher:
 
     async def stop(self) -> None:
         tasks = [t for t in (self._loop_task, *(j.task for j in self.jobs.values())) if t]
+        tasks += self.evidence.tasks
         for t in tasks:
             t.cancel()
         for t in tasks:
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await t
-        if self.session is not None:
-            await self.session.close()
 
     def _spawn(self, job: Job, coro: Awaitable) -> None:
         job.task = asyncio.create_task(self._guard(job, coro), name=f"job-{job.request_id}")
@@ -253,34 +224,52 @@ class Dispatcher:
         withdrawn; its generation, if it started, is wasted but never released (a result
         is released only for the job that is open under its id).
         """
-        if len(self.queue) + len(specs) > self.cfg.max_queued:
-            raise Saturated(
-                f"pool is saturated: {len(self.queue)} requests queued "
-                f"(limit {self.cfg.max_queued}); retry later"
-            )
-        ids = [s.request_id for s in specs]
-        if len(set(ids)) != len(ids):
-            raise ValueError("duplicate request_id within one batch")
-        now = time.time()
-        fresh = [
-            Job(s.request_id, "dispatch", s, new_seed(), now)
-            for s in specs
-            if s.request_id not in self.jobs
-        ]
-        for job in fresh:
-            self.jobs[job.request_id] = job
-            self.queue.append(job)
+        new = await self._admit(self.jobs.new_jobs(specs, "dispatch"))
+        return len(new), len(specs) - len(new)
+
+    async def _admit(self, jobs: list[Job]) -> list[Job]:
+        """Queue `jobs` (dispatch starts at once) and store them durably; returns the ones
+        stored (those whose ids the database knew are withdrawn)."""
+        self.jobs.admit(jobs)
         self.kick()
         try:
-            new = await self._store_new(fresh)
+            new = await self._store_new(jobs)
         except BaseException:
-            for job in fresh:
-                self._withdraw(job)
+            for job in jobs:
+                self.jobs.withdraw(job)
             raise
         self.totals["submitted"] += len(new)
         self.metrics.requests_submitted_total.inc(len(new))
-        self.metrics.queue_depth.set(len(self.queue))
-        return len(new), len(specs) - len(new)
+        self.metrics.queue_depth.set(len(self.jobs.queue))
+        return new
+
+    async def call(self, specs: list[RolloutSpec], timeout_s: float) -> list[Released]:
+        """The OpenAI front's path: run fresh requests like any submission and wait for
+        their release (TimeoutError past `timeout_s`; they are released anyway, later)."""
+        needed = 2 if self.pool.config.verification.spot_check_rate > 0 else 1
+        version = min(s.min_version for s in specs)
+        able = sum(
+            n.state == "healthy" and n.weights_version >= version for n in self.registry.healthy()
+        )
+        if able < needed:
+            raise Saturated(
+                f"{able} healthy node(s) hold weights version >= {version}; a call needs "
+                f"{needed} (a generator and a verifier); retry later"
+            )
+        jobs = self.jobs.new_jobs(specs, "openai")
+        if len(jobs) != len(specs):
+            raise ValueError("request ids are already open")
+        loop = asyncio.get_running_loop()
+        # Waiting before dispatch starts: a release can come before the store returns.
+        waits = [self.waiters.setdefault(j.request_id, loop.create_future()) for j in jobs]
+        try:
+            if len(await self._admit(jobs)) != len(jobs):
+                raise ValueError("request ids were used before")
+            async with asyncio.timeout(timeout_s):
+                return list(await asyncio.gather(*waits))
+        finally:
+            for job in jobs:
+                self.waiters.pop(job.request_id, None)
 
     async def _store_new(self, jobs: list[Job]) -> list[Job]:
         """Withdraw the jobs whose ids the database knows; write the others; await the commit."""
@@ -299,14 +288,14 @@ class Dispatcher:
         new = []
         for job in jobs:
             if job.request_id in known:
-                self._withdraw(job)
+                self.jobs.withdraw(job)
             else:
                 new.append(job)
         stmt = self.insert_request
         rows = (
             {
                 "request_id": j.request_id,
-                "source": "dispatch",
+                "source": j.source,
                 "spec": encode(j.spec),
                 "seed": j.seed,
                 "submitted_at": j.submitted_at,
@@ -316,13 +305,6 @@ class Dispatcher:
         )
         await asyncio.gather(*self.writer.write_many(stmt, rows))
         return new
-
-    def _withdraw(self, job: Job) -> None:
-        if self.jobs.get(job.request_id) is job:
-            del self.jobs[job.request_id]
-
-    def _is_open(self, job: Job) -> bool:
-        return self.jobs.get(job.request_id) is job
 
     # -- the dispatch loop -----------------------------------------------------------
     def kick(self) -> None:
@@ -338,10 +320,7 @@ class Dispatcher:
     def _dispatch_ready(self) -> None:
         waiting: deque[Job] = deque()
         scanned = 0
-        while self.queue:
-            job = self.queue.popleft()
-            if not self._is_open(job):
-                continue
+        while (job := self.jobs.next_open()) is not None:
             node = self.registry.pick_generator(job.spec.min_version, job.tried)
             if node is None:
                 waiting.append(job)
@@ -354,16 +333,11 @@ class Dispatcher:
             node.in_flight += 1
             node.outstanding_tokens += job.est_tokens
             self._spawn(job, self._run_job(job, node))
-        waiting.extend(self.queue)
-        self.queue = waiting
-        self.metrics.queue_depth.set(len(self.queue))
+        self.jobs.put_back(waiting)
+        self.metrics.queue_depth.set(len(self.jobs.queue))
 
     def _requeue(self, job: Job, why: str) -> None:
-        if not self._is_open(job):
-            return
-        if job.source == "openai":
-            # The answer went to the client already: there is nothing to generate again.
-            self._spawn(job, self._release(job, "failed", why))
+        if not self.jobs.is_open(job):
             return
         if job.attempts >= self.cfg.max_attempts:
             self._spawn(
@@ -372,18 +346,17 @@ class Dispatcher:
             return
         log.info("re-dispatching %s: %s", job.request_id, why)
         self.metrics.dispatch_retries_total.inc()
-        job.queued_at = time.monotonic()
-        self.queue.appendleft(job)
+        self.jobs.requeue(job)
         self.kick()
 
     # -- talking to nodes ------------------------------------------------------------
     async def _call(
         self, node: NodeRecord, route: str, body: bytes, timeout_s: float, reserve: bool = True
     ) -> bytes:
-        """POST to a node; a node death (see `node_died`) cancels the call. `reserve=False`:
-        the caller already counted this call in the node's load."""
-        assert self.session is not None
-        task = asyncio.create_task(post_raw(self.session, node.http_url + route, body))
+        """POST to a node over its channel; a node death (see `node_died`) or a closed
+        channel fails the call. `reserve=False`: the caller already counted this call in
+        the node's load."""
+        task = asyncio.create_task(self.channels.post(node, route, body))
         self.node_tasks.setdefault(node.node_id, set()).add(task)
         node.in_flight += reserve
         try:
@@ -396,6 +369,8 @@ class Dispatcher:
                 raise NodeFailed(f"{node.label} died during {route}")
             exc = task.exception()
             if isinstance(exc, RemoteError):
+                if exc.status in (400, 413, 422):
+                    raise NodeRefused(f"{node.label} refused {route}: {exc.message}")
                 raise NodeFailed(f"{node.label} answered {route} with {exc}")
             if exc is not None:
                 self._note_failure(node)
@@ -411,7 +386,7 @@ class Dispatcher:
     def _note_failure(self, node: NodeRecord) -> None:
         node.failures += 1
         if node.failures >= 3 and node.state == "healthy":
-            node.state = "unhealthy"
+            transition(node, "unhealthy", CALLS_FAILING)
             log.warning("%s failed 3 calls in a row: unhealthy until it heartbeats", node.label)
 
     def note_timeout(self, node: NodeRecord) -> None:
@@ -423,7 +398,7 @@ class Dispatcher:
         bench = min(MAX_BENCH_S, BENCH_S * 2 ** (node.timeouts - TIMEOUTS_BEFORE_BENCH))
         node.benched_until = time.time() + bench
         if node.state in ("healthy", "registered"):
-            node.state = "unhealthy"
+            transition(node, "unhealthy", BENCHED)
             self.persist_node(node)
         log.warning(
             "%s let %d calls in a row time out: no work for %.0f s",
@@ -432,10 +407,12 @@ class Dispatcher:
             bench,
         )
 
-    def node_died(self, node: NodeRecord) -> None:
-        """Cancel every call in flight to a dead node; their jobs go elsewhere."""
+    def node_died(self, node: NodeRecord, why: str = "") -> None:
+        """Cancel every call in flight to a node that died, left, was banned or registered
+        again (it restarted), and close its channel; their jobs go elsewhere."""
         for task in list(self.node_tasks.get(node.node_id, ())):
             task.cancel()
+        self.channels.close(node.node_id, why or f"the node is {node.state}")
 
     # -- one job ---------------------------------------------------------------------
     async def _run_job(self, job: Job, gen: NodeRecord) -> None:
@@ -451,6 +428,15 @@ class Dispatcher:
                 reserve=False,
             )
             rollout = self._check_rollout(raw, gen, request)
+        except NodeRefused as exc:
+            job.tried.add(gen.node_id)
+            job.refusals.append(str(exc))
+            if len(job.refusals) >= REFUSALS_BEFORE_FAILING:
+                why = f"refused by {len(job.refusals)} nodes: " + "; ".join(job.refusals)
+                self._spawn(job, self._release(job, "failed", why, refused=True))
+            else:
+                self._requeue(job, str(exc))
+            return
         except NodeFailed as exc:
             job.tried.add(gen.node_id)
             self._requeue(job, str(exc))
@@ -466,31 +452,13 @@ class Dispatcher:
         gen.generated += 1
         gen.tokens += len(rollout.completion_ids)
         gen.first_work = gen.first_work or time.time()
-        if self._is_open(job):  # not withdrawn (a resubmitted id) meanwhile
+        if self.jobs.is_open(job):  # not withdrawn (a resubmitted id) meanwhile
             gen.unsettled += 1
             try:
                 await self._verify_and_release(job, gen, rollout, raw, request)
             finally:
                 gen.unsettled -= 1
                 self.kick()
-
-    def note_published(self, version: int, weights_hash: str) -> set[str]:
-        """The trainer published `version` with this manifest hash (the scheduler relays
-        it); returns every hash known for that version."""
-        known = self.published.setdefault(version, set())
-        known.add(weights_hash)
-        return known
-
-    def _weights_claim_ok(self, version: int, weights_hash: str) -> bool:
-        """Whether (version, hash) can be what the trainer published (see the module doc)."""
-        if version == 0:
-            # The pool's starting model: nodes hash its folder, a swarm trainer announces it
-            # under its manifest hash; verifiers holding the claimed hash check it anyway.
-            return True
-        known = self.published.get(version)
-        if known is None:
-            return version == 0 or version <= max(self.published, default=0)
-        return "" in known or weights_hash in known
 
     def _check_rollout(self, raw: bytes, gen: NodeRecord, request: RolloutRequest) -> Rollout:
         """Cheap checks the scheduler can make itself before anyone spends a prefill."""
@@ -505,13 +473,14 @@ class Dispatcher:
             name
             for name, ok in (
                 ("request_id", r.request_id == request.request_id),
+                ("pool_id", r.pool_id == request.pool_id),
                 ("node_id", r.node_id == gen.node_id),
                 ("seed", r.seed == request.seed),
                 ("sampling", r.sampling == request.sampling),
                 ("prompt", r.prompt_ids == request.prompt_ids),
                 ("min_version", r.weights_version >= request.min_version),
                 ("proof layout", r.proof_params == request.proof),
-                ("weights", self._weights_claim_ok(r.weights_version, r.weights_hash)),
+                ("weights", self.ledger.check(r.weights_version, r.weights_hash)),
             )
             if not ok
         ]
@@ -525,156 +494,71 @@ class Dispatcher:
         gen: NodeRecord,
         rollout: Rollout,
         raw: bytes,
-        request: RolloutRequest | None,
+        request: RolloutRequest,
     ) -> None:
-        if random.random() >= self.pool.config.verification.spot_check_rate:
+        """Run the verification protocol (`scheduler.verification.next_step`, which decides)
+        over real nodes, then apply its decision."""
+        verification = self.pool.config.verification
+        if random.random() >= verification.spot_check_rate:
             await self._release(
                 job, "accepted", "unverified (spot check)", raw, [], rollout, gen.node_id
             )
             return
-        if gen.state == "banned":
-            self._give_up_verification(job, gen, f"{gen.label} is banned")
-            return
-        first = await self._judge("verify", rollout, raw, request, exclude=[gen])
-        if first is None:
-            self._give_up_verification(job, gen, "no eligible verifier")
-            return
-        audited = random.random() < self.pool.config.verification.audit_rate
-        if first.verdict.accepted:
-            if not audited:
-                self.registry.reward(gen)
-                self.registry.reward(first.node)
-                await self._release(
-                    job, "accepted", "", raw, [first.envelope], rollout, gen.node_id, gen
-                )
+        audited = random.random() < verification.audit_rate
+        nodes: dict[Role, NodeRecord] = {"generator": gen}
+        judged: list[Judged] = []
+        while True:
+            step = next_step(audited, tuple(j.verdict.accepted for j in judged))
+            if isinstance(step, Decision):
+                break
+            if step.opens_dispute:
+                self.totals["disputes"] += 1
+            if step.unless_banned and gen.state == "banned":
+                self._give_up_verification(job, gen, f"{gen.label} is banned")
                 return
-            audit = await self._judge("audit", rollout, raw, request, exclude=[gen, first.node])
-            if audit is None:
-                self._give_up_verification(job, gen, "accepted, but no eligible auditor")
+            exclude = [nodes[r] for r in step.exclude]
+            answer = await self._judge(step.kind, rollout, raw, request, exclude=exclude)
+            if answer is None:
+                self._give_up_verification(job, gen, step.if_none)
                 return
-            if audit.verdict.accepted:
-                for node in (gen, first.node, audit.node):
-                    self.registry.reward(node)
-                await self._release(
-                    job,
-                    "accepted",
-                    "",
-                    raw,
-                    [first.envelope, audit.envelope],
-                    rollout,
-                    gen.node_id,
-                    gen,
-                )
-                return
-            self.totals["disputes"] += 1
-            # Settled even if the generator was banned meanwhile: the outcome also says
-            # whether the first verifier lied.
-            await self._settle(job, gen, rollout, raw, request, "dispute", yes=first, no=audit)
-            return
-        self.totals["disputes"] += 1
-        if gen.state == "banned":  # banned meanwhile: no need to settle this one
-            self._give_up_verification(job, gen, f"{gen.label} is banned")
-            return
-        judge = await self._judge("dispute", rollout, raw, request, exclude=[gen, first.node])
-        if judge is None:
-            # Nobody can settle it: punish no one, trust nothing from this rollout.
-            self._give_up_verification(job, gen, "rejected, and no judge for the dispute")
-            return
-        if judge.verdict.accepted and audited:
-            # One verdict each way: the audit of the judge's acceptance decides.
-            await self._settle(job, gen, rollout, raw, request, "audit", yes=judge, no=first)
-        elif judge.verdict.accepted:
-            self.metrics.observe_dispute("verifier")
-            self._punish(first.node, "lost a dispute: rejected an honest rollout")
-            self.registry.reward(gen)
-            await self._release(
-                job,
-                "accepted",
-                "",
-                raw,
-                [first.envelope, judge.envelope],
-                rollout,
-                gen.node_id,
-                gen,
-            )
-        else:
-            self.metrics.observe_dispute("generator")
-            self.registry.reward(first.node)
-            job.tried.add(gen.node_id)
-            self._punish(gen, "lost a dispute: its rollout was rejected by two verifiers")
-            if job.source == "openai":
-                await self._release(
-                    job,
-                    "rejected",
-                    "; ".join(judge.verdict.reasons),
-                    raw,
-                    [first.envelope, judge.envelope],
-                    rollout,
-                    gen.node_id,
-                )
-            else:
-                self._requeue(job, f"rollout from {gen.label} rejected in a dispute")
-
-    async def _settle(
-        self,
-        job: Job,
-        gen: NodeRecord,
-        rollout: Rollout,
-        raw: bytes,
-        request: RolloutRequest | None,
-        kind: VerdictKind,
-        yes: Judged,
-        no: Judged,
-    ) -> None:
-        """Two verifiers disagree (`yes` accepted, `no` rejected) in an audited rollout: a
-        third node decides by majority, and the side in the minority loses reputation; a
-        verifier that accepted a rollout two others rejected is punished like its
-        generator (this is what catches a verifier that accepts everything unchecked)."""
-        third = await self._judge(kind, rollout, raw, request, exclude=[gen, yes.node, no.node])
-        if third is None:
-            self._give_up_verification(job, gen, "verifiers disagree, and no third to settle it")
-            return
-        first, second = (yes, no) if kind == "dispute" else (no, yes)  # in the order asked
-        envelopes = [first.envelope, second.envelope, third.envelope]
-        if third.verdict.accepted:
-            self.metrics.observe_dispute("verifier")
-            self._punish(no.node, "lost a dispute: rejected an honest rollout")
-            for node in (gen, yes.node, third.node):
-                self.registry.reward(node)
+            nodes[step.role] = answer.node
+            judged.append(answer)
+        for role in step.rewards:
+            self.registry.reward(nodes[role])
+        for role, why in step.punish:
+            self._punish(nodes[role], why)
+            if why == REJECTED_HONEST:
+                lost = self.overturned.setdefault(gen.node_id, deque(maxlen=OVERTURNED_KEPT))
+                lost.append(nodes[role].node_id)
+        if gen.state == "banned":  # banned meanwhile
+            self._refund_overturned(gen)
+        if step.lost_by:
+            self.metrics.observe_dispute(step.lost_by)
+        if step.released:
+            envelopes = [j.envelope for j in judged]
             await self._release(job, "accepted", "", raw, envelopes, rollout, gen.node_id, gen)
-            return
-        self.metrics.observe_dispute("generator")
-        self.registry.reward(no.node)
-        self.registry.reward(third.node)
-        job.tried.add(gen.node_id)
-        self._punish(yes.node, "lost a dispute: accepted a rollout that two verifiers rejected")
-        self._punish(gen, "lost a dispute: its rollout was rejected by two verifiers")
-        if job.source == "openai":
-            reasons = "; ".join(third.verdict.reasons)
-            await self._release(job, "rejected", reasons, raw, envelopes, rollout, gen.node_id)
         else:
-            self._requeue(job, f"rollout from {gen.label} rejected by two of three verifiers")
+            job.tried.add(gen.node_id)
+            self._requeue(job, step.requeue_reason.format(generator=gen.label))
 
     def _give_up_verification(self, job: Job, gen: NodeRecord, why: str) -> None:
         job.tried.add(gen.node_id)
-        if job.source == "openai":
-            self._spawn(job, self._release(job, "failed", why))
-        else:
-            self._requeue(job, why)
+        self._requeue(job, why)
 
     async def _judge(
         self,
         kind: VerdictKind,
         rollout: Rollout,
         raw: bytes,
-        request: RolloutRequest | None,
+        request: RolloutRequest,
         exclude: list[NodeRecord],
+        wait_s: float | None = None,
     ) -> Judged | None:
         """A verdict from an eligible node, retrying others on failure; None on timeout."""
         body = VerifyRequest(
             rollout_envelope=raw, expected_weights_hash=rollout.weights_hash, request=request
         )
-        deadline = time.monotonic() + self.cfg.verifier_wait_s
+        deadline = time.monotonic() + (self.cfg.verifier_wait_s if wait_s is None else wait_s)
         tried: set[str] = set()
         while time.monotonic() < deadline:
             node = self.registry.pick_verifier(rollout.weights_hash, exclude, tried)
@@ -701,8 +585,37 @@ class Dispatcher:
                 tried.add(node.node_id)
                 continue
             self._record_verdict(kind, rollout, raw, node, v, envelope)
+            if kind != "evidence":
+                self.evidence.observe(rollout, raw, request, node, v)
             return Judged(node, v, envelope)
         return None
+
+    def _ban(self, node: NodeRecord, reason: str) -> None:
+        """Ban outright (the per-node evidence was confirmed)."""
+        if self.registry.ban(node, reason):
+            self._banned(node, reason)
+        self.persist_node(node)
+
+    def _banned(self, node: NodeRecord, reason: str) -> None:
+        """`node` was just banned: its calls end, and verifiers that lost a dispute for
+        rejecting one of its rollouts get that reputation back."""
+        self.totals["banned"] += 1
+        self.metrics.bans_total.inc()
+        log.warning("%s is BANNED: %s", node.label, reason)
+        self.node_died(node)
+        self._refund_overturned(node)
+
+    def _refund_overturned(self, generator: NodeRecord) -> None:
+        for verifier_id in self.overturned.pop(generator.node_id, ()):
+            verifier = self.registry.get(verifier_id)
+            if verifier is not None and self.registry.refund(verifier):
+                log.warning(
+                    "%s regains reputation (now %.2f): it rejected a rollout of %s, banned since",
+                    verifier.label,
+                    verifier.reputation,
+                    generator.label,
+                )
+                self.persist_node(verifier)
 
     def _record_verdict(
         self, kind: str, rollout: Rollout, raw: bytes, node: NodeRecord, v: Verdict, env: bytes
@@ -749,10 +662,7 @@ class Dispatcher:
         banned = self.registry.penalize(node, reason)
         log.warning("%s loses reputation (now %.2f): %s", node.label, node.reputation, reason)
         if banned:
-            self.totals["banned"] += 1
-            self.metrics.bans_total.inc()
-            log.warning("%s is BANNED: %s", node.label, reason)
-            self.node_died(node)
+            self._banned(node, reason)
         self.persist_node(node)
 
     def persist_node(self, node: NodeRecord) -> asyncio.Future:
@@ -769,15 +679,17 @@ class Dispatcher:
         rollout: Rollout | None = None,
         generator_id: str = "",
         gen: NodeRecord | None = None,
+        refused: bool = False,
     ) -> None:
+        if gen is not None:
+            await self.evidence.settled(gen)  # a flagged node's releases wait for its recheck
         if gen is not None and gen.state == "banned":
             # Banned while its rollout was being checked: release nothing from it.
             job.tried.add(gen.node_id)
             self._requeue(job, f"{gen.label} was banned")
             return
-        if not self._is_open(job):
+        if not self.jobs.withdraw(job):
             return
-        del self.jobs[job.request_id]
         try:
             row = await self.results.append(
                 {
@@ -802,43 +714,6 @@ class Dispatcher:
             return
         self.totals["accepted" if status != "failed" else "failed"] += 1
         self.metrics.observe_release(status, job.submitted_at, row["released_at"])
-
-    async def _reverify_stored(self, job: Job) -> None:
-        assert job.rollout_envelope is not None
-        opened = open_envelope(job.rollout_envelope, Rollout, check_expiry=False)
-        gen = self.registry.get(opened.sender_id)
-        if gen is None:
-            await self._release(job, "failed", "generator unknown after restart")
-            return
-        await self._verify_and_release(job, gen, opened.message, job.rollout_envelope, None)
-
-    # -- OpenAI-endpoint calls -------------------------------------------------------
-    async def adopt_openai(
-        self, request_id: str, spec: RolloutSpec, seed: int, raw: bytes, gen: NodeRecord
-    ) -> None:
-        """Store an OpenAI-endpoint rollout durably and verify it behind the answer."""
-        job = Job(request_id, "openai", spec, seed, time.time(), rollout_envelope=raw)
-        await self.writer.write(
-            self.insert_request,
-            {
-                "request_id": request_id,
-                "source": "openai",
-                "spec": encode(spec),
-                "seed": seed,
-                "submitted_at": job.submitted_at,
-                "rollout_envelope": raw,
-            },
-        )
-        self.jobs[request_id] = job
-        self.totals["submitted"] += 1
-        rollout = open_envelope(raw, Rollout, check_expiry=False).message
-        if not self._weights_claim_ok(rollout.weights_version, rollout.weights_hash):
-            self._punish(gen, "signed a rollout claiming weights the trainer never published")
-            self._spawn(
-                job,
-                self._release(
-                    job, "rejected", "weights never published", raw, [], rollout, gen.node_id
-                ),
-            )
-            return
-        self._spawn(job, self._verify_and_release(job, gen, rollout, raw, None))
+        waiter = self.waiters.get(job.request_id)
+        if waiter is not None and not waiter.done():
+            waiter.set_result(Released(status, detail, raw, rollout, refused))

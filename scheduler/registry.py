@@ -2,13 +2,16 @@
 
 A `NodeRecord` is the scheduler's in-memory view of one admitted node; the `nodes` table
 is its durable copy (written on every state or reputation change and, in batches, on
-heartbeats). States: registered -> healthy (first heartbeat or work) -> unhealthy (silent
-past `unhealthy_after_s`) -> dead (silent past `dead_after_s`); draining -> left on a clean
-leave; banned (reputation under the pool's threshold) is final.
+heartbeats). States and their legal changes are `scheduler.lifecycle`'s table, and
+`scheduler.lifecycle.transition` is the one writer of `NodeRecord.state` (an illegal change
+raises `IllegalTransition` there). In short: registered -> healthy (a heartbeat while the
+node's channel is open: `connected`) -> unhealthy (silent past `unhealthy_after_s`, its
+channel dropped, its calls failing or benched) -> dead (silent past `dead_after_s`);
+draining -> left on a clean leave; banned (reputation under the pool's threshold) is final.
 
 Invariants:
-- Only `healthy` nodes get new work; a banned node never gets work again, whatever it
-  sends later; a benched node (calls timed out, `benched_until`) not before its bench ends.
+- Only `healthy` nodes get new work; a node without an open channel is not healthy,
+  however it heartbeats (a heartbeat proves the node is alive, not that calls reach it); a banned node never gets work again, whatever it sends later; a benched node (calls timed out, `benched_until`) not before its bench ends.
 - Probation: a node gets at most `probation` rollouts under way (being generated, or
   generated and awaiting their verdict) plus one per rollout of its that was accepted
   (since this scheduler started), up to its own capacity; a cheater therefore has only a
@@ -32,6 +35,7 @@ import time
 from dataclasses import dataclass, field
 
 from protocol.messages import NodeState, ReputationPolicy
+from scheduler.lifecycle import BAN, HEARTBEAT, SILENT, SILENT_LONG, transition
 
 # Verifier choice must be unpredictable to the generator: the OS's randomness.
 _rng = secrets.SystemRandom()
@@ -47,7 +51,6 @@ class NodeRecord:
     node_id: str
     public_key: bytes
     operator: str
-    http_url: str
     address: str
     engine: str
     model: str
@@ -73,6 +76,7 @@ class NodeRecord:
     accepted: int = 0
     rejected: int = 0
     first_work: float = 0.0
+    connected: bool = False  # its channel is open (`scheduler.channel`): calls reach it
 
     @property
     def label(self) -> str:
@@ -84,7 +88,6 @@ class NodeRecord:
             "pool_id": pool_id,
             "public_key": self.public_key,
             "operator": self.operator,
-            "http_url": self.http_url,
             "address": self.address,
             "engine": self.engine,
             "model": self.model,
@@ -132,8 +135,12 @@ class Registry:
     def seen(self, node: NodeRecord, now: float | None = None) -> None:
         node.last_seen = now or time.time()
         # A benched node (its calls time out) stays out of work however well it heartbeats.
-        if node.state in ("registered", "unhealthy") and node.last_seen >= node.benched_until:
-            node.state = "healthy"
+        if (
+            node.state in ("registered", "unhealthy")
+            and node.connected
+            and node.last_seen >= node.benched_until
+        ):
+            transition(node, "healthy", HEARTBEAT)
 
     def sweep(self, now: float, unhealthy_after: float, dead_after: float) -> list[NodeRecord]:
         """Apply missed-heartbeat transitions; return the nodes whose state changed."""
@@ -141,10 +148,10 @@ class Registry:
         for n in self.nodes.values():
             silent = now - n.last_seen
             if n.state in ("registered", "healthy", "draining") and silent > unhealthy_after:
-                n.state = "unhealthy"
+                transition(n, "unhealthy", SILENT)
                 changed.append(n)
             if n.state == "unhealthy" and silent > dead_after:
-                n.state = "dead"
+                transition(n, "dead", SILENT_LONG)
                 changed.append(n)
         return changed
 
@@ -153,14 +160,28 @@ class Registry:
         if node.state != "banned":  # a ban is final: nothing earns reputation back
             node.reputation = min(1.0, node.reputation + self.policy.reward_accepted)
 
+    def ban(self, node: NodeRecord, reason: str) -> bool:
+        """Ban outright (proof of dishonesty beyond one dispute); True if it was just banned."""
+        node.reputation = 0.0
+        if node.state == "banned":
+            return False
+        transition(node, "banned", BAN, reason)
+        return True
+
     def penalize(self, node: NodeRecord, reason: str) -> bool:
         """Lower a node's reputation; ban it under the threshold. True if it was just banned."""
         node.reputation = max(0.0, node.reputation - self.policy.penalty_lost_dispute)
         if node.state != "banned" and node.reputation < self.policy.ban_below:
-            node.state = "banned"
-            node.reason = reason
+            transition(node, "banned", BAN, reason)
             return True
         return False
+
+    def refund(self, node: NodeRecord) -> bool:
+        """Give back one lost dispute (it proved right after all); False if banned (final)."""
+        if node.state == "banned":
+            return False
+        node.reputation = min(1.0, node.reputation + self.policy.penalty_lost_dispute)
+        return True
 
     # -- choice ----------------------------------------------------------------------
     def healthy(self) -> list[NodeRecord]:

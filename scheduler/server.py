@@ -2,12 +2,14 @@
 
 Routes (internal bodies are signed msgpack envelopes, see `protocol.envelope`):
 - GET  /health, GET /v1/pool (the owner-signed pool config, untouched)
-- nodes: POST /v1/nodes/register, /v1/nodes/heartbeat, /v1/nodes/deregister
+- nodes: POST /v1/nodes/register, /v1/nodes/heartbeat, /v1/nodes/deregister; GET
+  /v1/nodes/connect, the WebSocket each node opens and every call to it goes over
+  (`scheduler.channel`: the scheduler never dials a node)
 - orchestrator (trainer key only): POST /v1/rollouts/submit, /v1/rollouts/results,
   /v1/weights
 - swarm tracker (nodes and the trainer): POST /v1/swarm/announce (see `scheduler.tracker`)
-- OpenAI-compatible: GET /v1/models, POST /v1/chat/completions, /v1/completions,
-  /tokenize (see `scheduler.openai_proxy`)
+- OpenAI-compatible, with the pool owner's API keys: GET /v1/models, POST
+  /v1/chat/completions, /v1/completions, /tokenize (see `scheduler.openai_front`)
 - operators: GET /dashboard, GET /v1/dashboard/state, GET /metrics
 
 Invariants:
@@ -16,32 +18,34 @@ Invariants:
   then the sender's rate limit; per-address limits apply to every route.
 - Node state that matters (admission, state, reputation, bans) is written to the database;
   heartbeats are kept in memory and written in batches. Every published weights version's
-  hash is kept (kv `weights/<version>`) so rollouts are checked against it after a restart.
+  hash is kept (`scheduler.ledger`) so rollouts are checked against it after a restart.
+- A node is healthy only while its channel is open (a hello signed by its key) and its
+  heartbeats arrive; until then, and whenever the channel drops, it gets no work.
 - A node silent past `unhealthy_after_s` gets no work; past `dead_after_s` it is dead and
   its in-flight work is re-dispatched.
-- Replicas: only the holder of the database lease loads state and serves; a standby answers
-  503 (except /health and /v1/pool) until the lease is free, then takes over exactly like a
-  restart. An active replica that cannot renew its lease exits at once, so two replicas
-  never dispatch together.
+- Replicas (`scheduler.lease`): only the holder of the database lease loads state and
+  serves; a standby answers 503 (except /health and /v1/pool) until the lease is free, then
+  takes over exactly like a restart. Two replicas never dispatch together.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import logging
-import os
 import socket
 import time
 from collections import Counter
 from pathlib import Path
 
-import aiohttp
 from aiohttp import web
 from sqlalchemy import select
 
+from protocol.channel import CONNECT_ROUTE
+from protocol.client import RemoteError
 from protocol.envelope import ReplayCache, open_envelope, seal
-from protocol.http import MSGPACK, error_middleware, error_response
+from protocol.http import MSGPACK, body_timeout_middleware, error_middleware, error_response
 from protocol.identity import Identity
 from protocol.messages import (
     Deregister,
@@ -60,11 +64,15 @@ from protocol.messages import (
 )
 from scheduler import db
 from scheduler.admission import Refused, admit
+from scheduler.channel import ChannelClosed, NodeChannels
 from scheduler.config import SchedulerConfig
 from scheduler.dashboard import dashboard_routes
 from scheduler.dispatch import Dispatcher, Saturated
+from scheduler.lease import ReplicaLease
+from scheduler.ledger import StaleUpdate, WeightsLedger
+from scheduler.lifecycle import CHANNEL_DROPPED, DRAIN, LEAVE, RESTART_RESTORE, allowed, transition
 from scheduler.metrics import SchedulerMetrics
-from scheduler.openai_proxy import OpenAIProxy
+from scheduler.openai_front import OpenAIFront
 from scheduler.pool import read_pool
 from scheduler.ratelimit import RateLimited, RateLimiter
 from scheduler.registry import NodeRecord, Registry
@@ -72,12 +80,7 @@ from scheduler.tracker import Tracker
 
 log = logging.getLogger("prime.scheduler")
 SEEN_FLUSH_S = 5.0
-LEASE = "scheduler"
 STANDBY_ROUTES = frozenset({"/health", "/v1/pool"})
-EXIT_LOST_LEASE = 75
-# kv keys "weights/<version>" hold the manifest hashes (comma-separated) the trainer
-# published for a version.
-PUBLISHED_PREFIX = "weights/"
 
 
 class SchedulerServer:
@@ -95,6 +98,15 @@ class SchedulerServer:
         self.by_address = RateLimiter(rl.per_address_per_s, rl.per_address_burst, "address")
         self.engine = db.create_engine(cfg.database.url)
         self.writer = db.Writer(self.engine, cfg.database.flush_interval_ms / 1000)
+        self.channels = NodeChannels(
+            self.registry,
+            self.pool_id,
+            cfg.channel,
+            self.replay,
+            self._channel_opened,
+            self._channel_closed,
+        )
+        self.ledger = WeightsLedger()
         self.dispatcher = Dispatcher(
             self.pool,
             identity,
@@ -103,16 +115,19 @@ class SchedulerServer:
             self.writer,
             cfg.dispatch,
             self.metrics,
+            self.channels,
+            self.ledger,
         )
-        self.openai = OpenAIProxy(self.dispatcher, self.registry, cfg.dispatch)
-        self.weights_envelope = b""
-        self.weights_version = 0
+        self.openai = OpenAIFront(self.dispatcher, self.pool, cfg.openai, cfg.dispatch)
         self.tracker = Tracker(cfg.lifecycle.swarm_announce_interval_s)
         self._seen_dirty: set[str] = set()
         self._tasks: list[asyncio.Task] = []
         self.replica_id = cfg.replica.replica_id or (f"{socket.gethostname()}:{cfg.server.port}")
-        self.active = False
-        self.lease_holder = ""
+        self.lease = ReplicaLease(self.engine, self.replica_id, cfg.replica.lease_s)
+
+    @property
+    def active(self) -> bool:
+        return self.lease.active
 
     # -- app -------------------------------------------------------------------------
     def app(self) -> web.Application:
@@ -123,6 +138,7 @@ class SchedulerServer:
                 error_middleware(log, {RateLimited: 429, Refused: 403, ValueError: 400}),
                 self._standby_guard,
                 self._address_limit,
+                body_timeout_middleware(self.cfg.server.body_read_timeout_s, log),
             ],
         )
         app.add_routes(
@@ -132,6 +148,7 @@ class SchedulerServer:
                 web.post("/v1/nodes/register", self.register),
                 web.post("/v1/nodes/heartbeat", self.heartbeat),
                 web.post("/v1/nodes/deregister", self.deregister),
+                web.get(CONNECT_ROUTE, self.channels.handler),
                 web.post("/v1/rollouts/submit", self.submit),
                 web.post("/v1/rollouts/results", self.results),
                 web.post("/v1/weights", self.weights),
@@ -142,62 +159,35 @@ class SchedulerServer:
             ]
         )
         app.on_startup.append(self._on_startup)
+        app.on_shutdown.append(self._on_shutdown)
         app.on_cleanup.append(self._on_cleanup)
         return app
 
     async def _on_startup(self, _app) -> None:
         await db.migrate(self.engine, self.cfg.database.url)
         self.writer.start()
-        if await self._renew_lease():
-            await self._activate()
-        else:
-            log.info("standby: replica %s holds the pool's lease", self.lease_holder)
-        self._tasks.append(asyncio.create_task(self._lease_loop(), name="lease"))
-
-    async def _renew_lease(self) -> bool:
-        ttl = self.cfg.replica.lease_s
-        self.lease_holder = await db.try_lease(self.engine, LEASE, self.replica_id, ttl)
-        return self.lease_holder == self.replica_id
-
-    async def _lease_loop(self) -> None:
-        ttl = self.cfg.replica.lease_s
-        last_renewed = time.monotonic()
-        while True:
-            await asyncio.sleep(ttl / 3)
-            try:
-                held = await self._renew_lease()
-            except Exception as exc:  # noqa: BLE001 - a database outage is handled below
-                log.warning("lease renewal failed: %s", exc)
-                held = False
-            if held:
-                last_renewed = time.monotonic()
-                if not self.active:
-                    log.info("the previous active replica is gone: taking over")
-                    await self._activate()
-            elif self.active and (
-                self.lease_holder != self.replica_id or time.monotonic() - last_renewed > ttl * 0.8
-            ):
-                # Another replica may take over any moment now: stop before it does.
-                log.critical("lost the scheduler lease (holder: %s): exiting", self.lease_holder)
-                os._exit(EXIT_LOST_LEASE)
+        if not await self.lease.acquire(self._activate):
+            log.info("standby: replica %s holds the pool's lease", self.lease.holder)
+        self._tasks.append(asyncio.create_task(self.lease.run(self._activate), name="lease"))
 
     async def _activate(self) -> None:
         await self._load_state()
         await self.dispatcher.start()
-        self.openai.start()
         self._tasks += [
             asyncio.create_task(self._monitor(), name="monitor"),
             asyncio.create_task(self._flush_seen(), name="flush-seen"),
         ]
-        self.active = True
         log.info(
             "scheduler %s (replica %s) serving pool %s (%d nodes known, weights v%d)",
             self.identity.node_id,
             self.replica_id,
             self.pool_id,
             len(self.registry.nodes),
-            self.weights_version,
+            self.ledger.version,
         )
+
+    async def _on_shutdown(self, _app) -> None:
+        await self.channels.close_all()  # the nodes reconnect to whichever replica serves
 
     async def _on_cleanup(self, _app) -> None:
         for t in self._tasks:
@@ -206,7 +196,6 @@ class SchedulerServer:
             with contextlib.suppress(asyncio.CancelledError):
                 await t
         if self.active:
-            await self.openai.stop()
             await self.dispatcher.stop()
             self._write_seen()
         await self.writer.stop()
@@ -214,44 +203,24 @@ class SchedulerServer:
 
     async def _load_state(self) -> None:
         now = time.time()
+        await self.ledger.load(self.engine)
         async with self.engine.connect() as conn:
             rows = (await conn.execute(select(db.nodes))).all()
-            weights = (
-                await conn.execute(select(db.kv.c.value).where(db.kv.c.key == "weights"))
-            ).scalar()
-            published = (
-                await conn.execute(
-                    select(db.kv.c.key, db.kv.c.value).where(
-                        db.kv.c.key.startswith(PUBLISHED_PREFIX)
-                    )
-                )
-            ).all()
-        for key, value in published:
-            for weights_hash in value.decode().split(","):
-                self.dispatcher.note_published(
-                    int(key.removeprefix(PUBLISHED_PREFIX)), weights_hash
-                )
         for r in rows:
             node = NodeRecord(**{k: v for k, v in r._mapping.items() if k != "pool_id"})
             # A restart is not the nodes' fault: give them a fresh heartbeat window.
             if node.state in ("healthy", "registered", "unhealthy", "draining"):
                 node.last_seen = now
+            if node.state == "healthy":
+                transition(node, "unhealthy", RESTART_RESTORE)  # until it reconnects
             self.registry.add(node)
-        if weights:
-            self._set_weights(weights)
-
-    def _set_weights(self, envelope: bytes) -> None:
-        update = open_envelope(envelope, WeightUpdate, check_expiry=False).message
-        self.weights_envelope = envelope
-        self.weights_version = update.version
-        self.dispatcher.note_published(update.version, update.weights_hash)
 
     # -- middleware and helpers -------------------------------------------------------
     @web.middleware
     async def _standby_guard(self, request: web.Request, handler):
         if not self.active and request.path not in STANDBY_ROUTES:
             raise web.HTTPServiceUnavailable(
-                text=f"standby replica: the active scheduler is {self.lease_holder}",
+                text=f"standby replica: the active scheduler is {self.lease.holder}",
                 headers={"Retry-After": "1"},
             )
         return await handler(request)
@@ -294,14 +263,16 @@ class SchedulerServer:
                 "replica": self.replica_id,
                 "pool_id": self.pool_id,
                 "scheduler_id": self.identity.node_id,
+                # Nodes compare clocks with it (`prime-node doctor`): envelopes expire.
+                "time": time.time(),
                 "nodes": self.registry.counts(),
-                "weights_version": self.weights_version,
+                "weights_version": self.ledger.version,
                 # Healthy nodes per weights version: the orchestrator waits for the pool to
                 # hold a new version before it asks for rollouts of it.
                 "healthy_versions": dict(
                     Counter(str(n.weights_version) for n in self.registry.healthy())
                 ),
-                "queued": len(self.dispatcher.queue),
+                "queued": len(self.dispatcher.jobs.queue),
                 "open_requests": len(self.dispatcher.jobs),
                 # Weight swarms the tracker knows: members and seeds per manifest hash.
                 "swarms": self.tracker.counts(),
@@ -326,7 +297,6 @@ class SchedulerServer:
             node_id=node_id,
             public_key=opened.sender,
             operator=req.operator,
-            http_url=req.http_url,
             address=request.remote or "",
             engine=req.engine,
             model=req.model,
@@ -339,12 +309,11 @@ class SchedulerServer:
             last_seen=now,
         )
         if existing is not None:
-            self.dispatcher.node_died(
-                existing
-            )  # a re-registered node restarted: its calls are gone
+            # It restarted: its calls are gone, and it opens a new channel.
+            self.dispatcher.node_died(existing, "the node registered again")
         self.registry.add(node)
         await self.dispatcher.persist_node(node)
-        log.info("admitted %s (%s) at %s", node_id, req.operator or "no operator", req.http_url)
+        log.info("admitted %s (%s) from %s", node_id, req.operator or "no operator", node.address)
         self.dispatcher.kick()
         return self._signed(
             RegisterResponse(
@@ -352,7 +321,7 @@ class SchedulerServer:
                 pool_id=self.pool_id,
                 scheduler_id=self.identity.node_id,
                 heartbeat_interval_s=self.cfg.lifecycle.heartbeat_interval_s,
-                weights_envelope=self.weights_envelope,
+                weights_envelope=self.ledger.envelope,
             )
         )
 
@@ -375,15 +344,15 @@ class SchedulerServer:
             if node.state != was:
                 # A state change is durable at once (a restart must not forget it).
                 self.dispatcher.persist_node(node)
-            if node.state != was or self.dispatcher.queue:
+            if node.state != was or self.dispatcher.jobs.queue:
                 # A node that became healthy or loaded new weights may take queued work.
                 self.dispatcher.kick()
         elif node.state == "dead":
             raise web.HTTPNotFound(text="this node was declared dead: register again")
-        behind = node.weights_version < self.weights_version
+        behind = node.weights_version < self.ledger.version
         return self._signed(
             HeartbeatResponse(
-                state=node.state, weights_envelope=self.weights_envelope if behind else b""
+                state=node.state, weights_envelope=self.ledger.envelope if behind else b""
             )
         )
 
@@ -391,8 +360,10 @@ class SchedulerServer:
         opened = await self._open(request, Deregister)
         node = self._node(opened)
         node.last_seen = time.time()  # a draining node polls here instead of heartbeating
-        if node.state != "banned":
-            node.state = "draining" if opened.message.stage == "drain" else "left"
+        to, event = ("draining", DRAIN) if opened.message.stage == "drain" else ("left", LEAVE)
+        # A node that left or died stays so (registering again makes a new record).
+        if node.state != "banned" and allowed(node.state, to, event):
+            transition(node, to, event)
             await self.dispatcher.persist_node(node)
             log.info("%s is %s", node.label, node.state)
         if node.state == "left":
@@ -447,48 +418,45 @@ class SchedulerServer:
             trusted_senders={self.trainer_key},
             max_bytes=self.cfg.server.max_body_bytes,
         )
-        if opened.message.version < self.weights_version:
-            raise web.HTTPConflict(
-                text=f"version {opened.message.version} is older than the pool's {self.weights_version}"
-            )
-        update = opened.message
-        upsert = db.upsert_stmt(self.engine, db.kv)
-        # Every version's hashes stay on record: rollouts of older versions are checked too.
-        hashes = self.dispatcher.note_published(update.version, update.weights_hash)
-        await asyncio.gather(
-            self.writer.write(upsert, {"key": "weights", "value": raw}),
-            self.writer.write(
-                upsert,
-                {
-                    "key": f"{PUBLISHED_PREFIX}{update.version}",
-                    "value": ",".join(sorted(hashes)).encode(),
-                },
-            ),
-        )
-        self._set_weights(raw)
-        log.info("pool weights are now version %d", self.weights_version)
+        try:
+            await self.ledger.publish(raw, opened.message, self.engine, self.writer)
+        except StaleUpdate as exc:
+            raise web.HTTPConflict(text=str(exc)) from exc
+        log.info("pool weights are now version %d", self.ledger.version)
         for node in self.registry.healthy():
             self._tasks.append(asyncio.create_task(self._push_weights(node, raw)))
         self._tasks = [t for t in self._tasks if not t.done()]
-        return web.json_response({"weights_version": self.weights_version})
+        return web.json_response({"weights_version": self.ledger.version})
+
+    def _channel_opened(self, node: NodeRecord) -> None:
+        """`node` proved its key over a channel it opened: it can be called now, so it
+        may turn healthy at once (it heartbeats anyway)."""
+        node.connected = True
+        self.registry.seen(node)
+        if node.state == "healthy":
+            self.dispatcher.persist_node(node)
+            self.dispatcher.kick()
+
+    def _channel_closed(self, node: NodeRecord) -> None:
+        """No call reaches `node` until it reconnects: no new work for it meanwhile."""
+        node.connected = False
+        if node.state == "healthy":
+            transition(node, "unhealthy", CHANNEL_DROPPED)
+            self.dispatcher.persist_node(node)
 
     async def _push_weights(self, node: NodeRecord, raw: bytes) -> None:
         """Hand the trainer's signed update to a node now (heartbeats relay it too, later):
         RL steps are seconds apart, heartbeats may be tens of seconds."""
-        session = self.dispatcher.session
-        assert session is not None
         try:
-            async with session.post(
-                f"{node.http_url}/v1/weights/update",
-                data=raw,
-                headers={"Content-Type": MSGPACK},
-                timeout=aiohttp.ClientTimeout(total=self.cfg.dispatch.generate_timeout_s),
-            ) as resp:
-                if resp.status != 200:
-                    log.info("%s refused weights push (%d)", node.label, resp.status)
-                    return
-                held = await resp.json()
-        except (aiohttp.ClientError, TimeoutError, ValueError) as exc:
+            answer = await asyncio.wait_for(
+                self.channels.post(node, "/v1/weights/update", raw),
+                self.cfg.dispatch.generate_timeout_s,
+            )
+            held = json.loads(answer)
+        except RemoteError as exc:
+            log.info("%s refused weights push (%d)", node.label, exc.status)
+            return
+        except (ChannelClosed, TimeoutError, ValueError) as exc:
             log.info(
                 "weights push to %s failed: %s (its heartbeat will relay them)", node.label, exc
             )
@@ -523,20 +491,20 @@ class SchedulerServer:
 
     def _refresh_gauges(self) -> None:
         self.metrics.set_node_states(self.registry.counts())
-        self.metrics.queue_depth.set(len(self.dispatcher.queue))
+        self.metrics.queue_depth.set(len(self.dispatcher.jobs.queue))
         self.metrics.in_flight.set(sum(n.in_flight for n in self.registry.nodes.values()))
 
     def dashboard_state(self) -> dict:
         now = time.time()
         d = self.dispatcher
         totals = dict(d.totals)
-        totals["queued"] = len(d.queue)
-        totals["in_flight"] = len(d.jobs) - len(d.queue)
+        totals["queued"] = len(d.jobs.queue)
+        totals["in_flight"] = len(d.jobs) - len(d.jobs.queue)
         return {
             "pool_id": self.pool_id,
             "scheduler_id": self.identity.node_id,
             "time": now,
-            "weights_version": self.weights_version,
+            "weights_version": self.ledger.version,
             "totals": totals,
             "nodes": [
                 {

@@ -5,6 +5,9 @@ is a random sample of the other members, seeds first, so a node that joins late 
 peers that already hold the version instead of the trainer. "Have" news then travels
 between the peers themselves.
 
+The tracker also knows how each member is reached (`counts`): directly, or through a
+relay when it sits behind NAT.
+
 Invariants: only registered, unbanned nodes and the trainer key may announce (a banned
 node is dropped from every swarm at once); an entry silent for `4 x interval_s` is
 forgotten; tracker state is soft (memory only): after a restart or a replica takeover it
@@ -13,6 +16,7 @@ is rebuilt from the next round of announcements.
 
 from __future__ import annotations
 
+import ipaddress
 import random
 import time
 
@@ -60,10 +64,33 @@ class Tracker:
             members.pop(peer_id, None)
 
     def counts(self) -> dict[str, dict[str, int]]:
+        """Per version: members, seeds, and how they are reached: `relayed` peers hold a
+        reservation on a relay (they announce a /p2p-circuit address: behind NAT, or
+        playing safe); `unreachable` peers announce neither a relayed nor a public
+        address (behind NAT without a relay: only their own network can fetch from them)."""
         return {
             d[:12]: {
                 "peers": len(m),
                 "seeds": sum(p.complete for p, _ in m.values()),
+                "relayed": sum(any(_relayed(a) for a in p.addrs) for p, _ in m.values()),
+                "unreachable": sum(
+                    not any(_relayed(a) or _public(a) for a in p.addrs) for p, _ in m.values()
+                ),
             }
             for d, m in self.swarms.items()
         }
+
+
+def _relayed(addr: str) -> bool:
+    return "/p2p-circuit" in addr
+
+
+def _public(addr: str) -> bool:
+    """A direct multiaddr whose host is a global IP address or a DNS name."""
+    parts = addr.split("/")
+    if len(parts) < 3:
+        return False
+    try:
+        return ipaddress.ip_address(parts[2]).is_global
+    except ValueError:
+        return parts[1].startswith("dns")

@@ -28,12 +28,21 @@ from protocol.messages import (
 )
 from protocol.processes import ManagedProcess, free_port
 from protocol.scheduler_client import SchedulerClient
-from scheduler.pool import write_pool
+from scheduler.pool import make_api_key, write_pool
+from scheduler.registry import NodeRecord
+from verifier.models import resolve_model
 
 REPO = Path(__file__).resolve().parent.parent
 TINY_THRESHOLDS = REPO / "configs" / "verification" / "tiny-torch-cpu-fp32.toml"
 # The machine's PostgreSQL (trust auth); tests create a database of their own on it.
 POSTGRES_SERVER = "postgresql://postgres@127.0.0.1:5432"
+# Heartbeats and node-state sweeps fast enough for short pool tests.
+FAST_LIFECYCLE = (
+    "--lifecycle.heartbeat-interval-s", "0.5",
+    "--lifecycle.unhealthy-after-s", "3",
+    "--lifecycle.dead-after-s", "6",
+    "--lifecycle.check-interval-s", "0.5",
+)  # fmt: skip
 
 
 def tiny_verification() -> VerificationPolicy:
@@ -56,19 +65,44 @@ class Pool:
     scheduler_args: tuple[str, ...] = ()
     replica_ports: list[int] = field(default_factory=list)
     replicas: list[ManagedProcess] = field(default_factory=list)
+    model: str = "tiny"
+    scheduler_command: tuple[str, ...] = (sys.executable, "-m", "scheduler.cli")
+    """How the scheduler is started (a test of the torch-free install runs its script)."""
+    host: str = "127.0.0.1"
+    """Where the scheduler listens and everyone reaches it (a NAT lab's public address)."""
+    scheduler_wrap: tuple[str, ...] = ()
+    """Prepended to the scheduler's command line (e.g. `ip netns exec <ns>`)."""
 
     @property
     def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
+        return f"http://{self.host}:{self.port}"
 
     @property
     def urls(self) -> str:
         """Every scheduler replica, as nodes and clients take them (comma-separated)."""
         ports = [self.port, *self.replica_ports]
-        return ",".join(f"http://127.0.0.1:{p}" for p in ports)
+        return ",".join(f"http://{self.host}:{p}" for p in ports)
 
     def client(self) -> SchedulerClient:
         return SchedulerClient(self.urls, self.trainer, self.pool_id)
+
+    def api_key(self, name: str = "test", rate_per_s: float = 1000.0, burst: int = 1000) -> str:
+        """A key to the scheduler's OpenAI endpoint, issued by the pool owner."""
+        return make_api_key(self.owner, self.pool_id, name, 3600.0, rate_per_s, burst)
+
+    @property
+    def api_key_file(self) -> Path:
+        """A file holding an orchestrator's key (written on first use)."""
+        path = self.workdir / "orchestrator.apikey"
+        if not path.exists():
+            path.write_text(self.api_key("orchestrator"))
+        return path
+
+    def openai(self, **kw):
+        """The official `openai` client on the pool's endpoint, with a fresh key."""
+        from openai import OpenAI
+
+        return OpenAI(base_url=f"{self.url}/v1", api_key=self.api_key(), **kw)
 
     def start_scheduler(
         self, *args: str, log_name: str = "scheduler", port: int | None = None
@@ -76,10 +110,11 @@ class Pool:
         """Start (or restart) the scheduler; `port` starts a replica on another port."""
         self.scheduler_args = args or self.scheduler_args
         cmd = [
-            sys.executable,
-            "-m",
-            "scheduler.cli",
+            *self.scheduler_wrap,
+            *self.scheduler_command,
             "serve",
+            "--server.host",
+            self.host,
             "--pool-file",
             str(self.pool_file),
             "--key-file",
@@ -90,12 +125,14 @@ class Pool:
             str(port or self.port),
             "--log-dir",
             str(self.workdir / "scheduler-logs"),
+            "--openai.tokenizer",
+            str(resolve_model(self.model)),
             *self.scheduler_args,
         ]
         child = ManagedProcess.start(
             log_name,
             cmd,
-            f"http://127.0.0.1:{port or self.port}/health",
+            f"http://{self.host}:{port or self.port}/health",
             self.workdir / f"{log_name}.log",
             cwd=REPO,
             timeout_s=60,
@@ -114,14 +151,18 @@ class Pool:
         operator: str = "",
         wait: bool = True,
         dishonest: str | None = None,
+        wrap: tuple[str, ...] = (),
     ) -> ManagedProcess:
         """Start `prime-node join` on the tiny model (or a dishonest node of kind `dishonest`,
-        see tests.adversaries.DISHONEST_WORKERS); wait until the scheduler sees it healthy."""
+        see tests.adversaries.DISHONEST_WORKERS); wait until the scheduler sees it healthy.
+        `wrap` is prepended to its command line (`ip netns exec <ns>`: then its own /health
+        is out of this process's reach, and only the scheduler's view is waited for)."""
         key = self.workdir / f"{name}.key"
         Identity.load_or_create(key)
         port = free_port()
         entry = ["node.cli", "join"] if dishonest is None else ["tests.adversary_node", dishonest]
         cmd = [
+            *wrap,
             sys.executable,
             "-m",
             *entry,
@@ -144,7 +185,7 @@ class Pool:
         child = ManagedProcess.start(
             name,
             cmd,
-            f"http://127.0.0.1:{port}/health",
+            "" if wrap else f"http://127.0.0.1:{port}/health",
             self.workdir / f"{name}.log",
             cwd=REPO,
             env={"OMP_NUM_THREADS": "1"},
@@ -156,8 +197,11 @@ class Pool:
         return child
 
     def wait_joined(self, name: str, timeout_s: float = 180) -> None:
-        self.nodes[name].wait_healthy(timeout_s)
-        self.wait_node_state(self.node_id(name), "healthy", 60)
+        if self.nodes[name].health_url:
+            self.nodes[name].wait_healthy(timeout_s)
+        self.wait_node_state(
+            self.node_id(name), "healthy", 60 if self.nodes[name].health_url else timeout_s
+        )
 
     def join_many(self, names: list[str], **dishonest: str) -> None:
         """Start several nodes at once (start-up is mostly imports: overlap them)."""
@@ -219,7 +263,7 @@ def make_pool(
     )
     pool_file = write_pool(workdir / f"{pool_id}.pool", owner, config)
     url = db_url or f"sqlite+aiosqlite:///{workdir / 'scheduler.db'}"
-    return Pool(workdir, pool_id, owner, trainer, pool_file, url)
+    return Pool(workdir, pool_id, owner, trainer, pool_file, url, model=model)
 
 
 def processes_with(*needles: str) -> dict[int, str]:
@@ -266,3 +310,25 @@ async def postgres_database() -> AsyncIterator[str]:
     finally:
         await admin.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
         await admin.close()
+
+
+def node_record(i: int = 1, **kw) -> NodeRecord:
+    """A scheduler's in-memory record of node `n<i>`, healthy with its channel open (for
+    unit tests of the registry and the lifecycle); `kw` overrides any field."""
+    fields = dict(
+        node_id=f"n{i}",
+        public_key=bytes(32),
+        operator=f"op{i}",
+        address="127.0.0.1",
+        engine="torch",
+        model="tiny",
+        capacity=4,
+        state="healthy",
+        reputation=1.0,
+        weights_version=3,
+        weights_hash="h",
+        registered_at=0.0,
+        last_seen=0.0,
+        connected=True,
+    )
+    return NodeRecord(**{**fields, **kw})

@@ -83,7 +83,8 @@ def rl_args(pool: Pool, model: Path, run: Path, *args: str) -> list[str]:
         "rl", "@", "configs/rl/reverse-text-tiny.toml", "--model.name", str(model),
         "--run-dir", str(run), "--orchestrator.pool", str(pool.pool_file),
         "--orchestrator.trainer-key", str(pool.workdir / "trainer.key"),
-        "--orchestrator.scheduler", pool.url, "--monitor.progress", "false", *args,
+        "--orchestrator.scheduler", pool.url, "--orchestrator.api-key-file",
+        str(pool.api_key_file), "--monitor.progress", "false", *args,
     ]  # fmt: skip
 
 

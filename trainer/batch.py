@@ -40,6 +40,8 @@ class TrainingSample:
     rollout_id: str = ""
     """The scheduler's request id of the generation this sample came from (audits join it
     with the scheduler's results table: who generated it, which verdicts let it through)."""
+    text: str = ""
+    """The completion text the rubric scored (audits compare it with the signed ids)."""
 
     def __post_init__(self) -> None:
         n = len(self.input_ids)

@@ -102,7 +102,7 @@ def evaluate(ctx: typer.Context) -> None:
     env = load_environment(cfg.env)
     out = asyncio.run(
         env.evaluate(
-            client=openai_client(cfg.base_url),
+            client=openai_client(cfg.base_url, cfg.api_key_file),
             model=cfg.model_name,
             sampling_args={
                 "temperature": cfg.sampling.temperature,

@@ -22,6 +22,15 @@ from protocol.swarm.config import SwarmConfig, SwarmToolSettings
 from verifier.models import check_model_name
 
 
+def check_api_key_file_exists(v: Path | None) -> Path | None:
+    if v is not None and not v.expanduser().is_file():
+        raise ValueError(
+            f"API key file {v} not found: the pool owner issues keys with "
+            "`prime-scheduler pool api-key` (write the printed key to that file)"
+        )
+    return v
+
+
 def _check_whole_groups(batch_size: int, group_size: int) -> None:
     if batch_size % group_size:
         raise ValueError(
@@ -116,10 +125,30 @@ class WeightsConfig(Section):
     manifest and seeds it over libp2p; workers fetch pieces from each other."""
     keep_last: int = Field(3, ge=1)
     """Weight versions kept on disk beyond what async_level still needs."""
-    swarm: SwarmConfig = SwarmConfig()
-    """The trainer's swarm peer (swarm transport): listen address, upload cap, piece size."""
+    swarm: SwarmConfig = SwarmConfig(relay_service=True, use_relay=False)
+    """The trainer's swarm peer (swarm transport): listen address, upload cap, piece size.
+    It is also the pool's relay: workers behind NAT reserve a slot on it."""
     trainer_key: Path = Path("keys/trainer.key")
     """Key that signs swarm manifests: the pool's trainer key (swarm transport)."""
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
+    """The dtype weights are published in: what the pool's workers serve, so a bf16 pool
+    gets half the bytes of the fp32 master weights (which stay in checkpoints only).
+    'auto': the dtype of the pool's engine mixes when `rl` knows the pool file (one dtype
+    among them), else float32."""
+    deltas: bool = True
+    """Swarm transport: publish each step also as a delta against the step before (only
+    the elements that changed, exact, zstd): a worker holding that version fetches the
+    delta instead of the whole model, rebuilds the new version and checks it against its
+    full manifest before loading it."""
+    keyframe_interval: int = Field(50, ge=1)
+    """Every this many steps a version is published full only (no delta), which bounds how
+    long a chain of deltas gets. Every version is also published in full and peers seed
+    the versions they rebuilt, so no node needs a keyframe to catch up: keyframes cost a
+    full broadcast each (measured: at lr 1e-6 an interval of 10 ships 10.5% of the model
+    per step on average, against 0.5% for the deltas alone)."""
+    delta_max_fraction: float = Field(0.5, gt=0, le=1)
+    """A delta larger than this fraction of the full version is not published (most values
+    changed: the full version pays)."""
 
 
 class MonitorConfig(Section):
@@ -226,6 +255,12 @@ class OrchestratorConfig(RunSettings):
     """The pool's trainer key: signs weight updates and rollout submissions."""
     model_name: str = ""
     """Model name sent in OpenAI requests ('' : the pool's model)."""
+    api_key_file: Path | None = None
+    """File holding the key to the scheduler's OpenAI endpoint (`prime-scheduler pool
+    api-key`); None: no key (a pool's endpoint then answers 401)."""
+    tokenizer: Path | None = None
+    """Model folder whose tokenizer decodes the verified ids the rubric's text is checked
+    against; None: the pool's model."""
     max_steps: int = Field(20, ge=1)
     """Batches to produce."""
     async_level: int = Field(2, ge=0)
@@ -239,6 +274,8 @@ class OrchestratorConfig(RunSettings):
     max_rounds: int = Field(8, ge=1)
     """Generation rounds per step before a step goes ahead with fewer groups than asked
     (all-equal groups are dropped; a step must not spin forever on an easy dataset)."""
+
+    _check_api_key_file = field_validator("api_key_file")(check_api_key_file_exists)
 
     @model_validator(mode="after")
     def check_batch_divisible_by_group(self) -> OrchestratorConfig:
@@ -277,10 +314,17 @@ class RLOrchestratorSection(Section):
     """Scheduler URL(s)."""
     trainer_key: Path = Path("keys/trainer.key")
     """The pool's trainer key."""
+    api_key_file: Path | None = None
+    """File holding the key to the scheduler's OpenAI endpoint (`prime-scheduler pool
+    api-key`; a local swarm writes its own)."""
+    tokenizer: Path | None = None
+    """Model folder whose tokenizer decodes verified ids (None: the pool's model)."""
     max_concurrent: int = Field(64, ge=1)
     """Episodes in flight at once."""
     max_rounds: int = Field(8, ge=1)
     """Generation rounds per step before going ahead with fewer groups."""
+
+    _check_api_key_file = field_validator("api_key_file")(check_api_key_file_exists)
 
 
 class LocalSwarmConfig(Section):
@@ -355,6 +399,22 @@ class RLConfig(RunSettings):
         _check_whole_groups(self.batch_size, self.group_size)
         return self
 
+    def publish_dtype(self) -> str:
+        """The weights' publishing dtype, 'auto' resolved from the pool's engine mixes."""
+        if self.weights.dtype != "auto":
+            return self.weights.dtype
+        from protocol.envelope import open_envelope  # the pool file is an owner-signed envelope
+        from protocol.messages import PoolConfig
+
+        try:
+            pool = open_envelope(
+                self.orchestrator.pool.read_bytes(), PoolConfig, check_expiry=False
+            ).message
+        except (OSError, ValueError):
+            return "float32"  # the orchestrator reports a missing or bad pool file itself
+        dtypes = {m.dtype for m in pool.verification.engine_mixes}
+        return dtypes.pop() if len(dtypes) == 1 else "float32"
+
     def _child_monitor(self) -> MonitorConfig:
         # The `rl` parent draws one progress display and the plot; children only log.
         return self.monitor.model_copy(update={"progress": False, "plot": False})
@@ -370,7 +430,9 @@ class RLConfig(RunSettings):
             loss=t.loss,
             ckpt=self.ckpt,
             # One trainer key for the run: the orchestrator's signs updates, this one manifests.
-            weights=self.weights.model_copy(update={"trainer_key": o_key}),
+            weights=self.weights.model_copy(
+                update={"trainer_key": o_key, "dtype": self.publish_dtype()}
+            ),
             max_steps=self.max_steps,
             async_level=self.async_level,
             micro_batch_tokens=t.micro_batch_tokens,
@@ -429,12 +491,16 @@ class EvalConfig(RunSettings):
     """Sampling parameters."""
     base_url: str = "http://127.0.0.1:7700/v1"
     """OpenAI-compatible endpoint (a scheduler's or a single node's)."""
+    api_key_file: Path | None = None
+    """File holding the endpoint's API key (a pool's: `prime-scheduler pool api-key`)."""
     model_name: str = "tiny"
     """Model name sent in requests."""
     num_examples: int = Field(32, ge=1)
     """Prompts evaluated."""
     rollouts_per_example: int = Field(1, ge=1)
     """Samples per prompt."""
+
+    _check_api_key_file = field_validator("api_key_file")(check_api_key_file_exists)
 
 
 class PublishConfig(SwarmToolSettings):

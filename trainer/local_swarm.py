@@ -2,7 +2,8 @@
 `local_swarm.enabled` (the README's main job).
 
 Owns everything of the local pool under `<run_dir>/swarm/`: the keys (owner, trainer,
-scheduler, one per worker), the owner-signed pool file, the scheduler's SQLite database
+scheduler, one per worker, and the orchestrator's API key to the scheduler's OpenAI
+endpoint), the owner-signed pool file, the scheduler's SQLite database
 and the workers' folders (logs, downloaded weights); and the command lines of the
 processes that make the pool: an optional SFT warm-up, `prime-scheduler serve` and
 `prime-node join` per worker. The launcher (trainer/launcher.py) runs them.
@@ -24,6 +25,7 @@ from pathlib import Path
 from protocol.identity import Identity
 from protocol.processes import free_port
 from trainer.config import RLConfig
+from verifier.models import resolve_model
 
 
 class LaunchError(RuntimeError):
@@ -70,6 +72,10 @@ class LocalPool:
         return self.root / f"{self.ls.pool_id}.pool"
 
     @property
+    def api_key_file(self) -> Path:
+        return self.keys / "orchestrator.apikey"
+
+    @property
     def sft_model(self) -> Path:
         return Path(self.cfg.run_dir) / "sft" / "final"
 
@@ -100,10 +106,36 @@ class LocalPool:
             "--async-level", str(self.cfg.async_level),
             "--out", str(self.pool_file), *self.ls.pool_args,
         )  # fmt: skip
+        self._run(cmd, "pool create")
+        if not self.api_key_file.is_file():
+            key = self._run(
+                _py(
+                    "scheduler.cli",
+                    "pool",
+                    "api-key",
+                    "--pool-file",
+                    str(self.pool_file),
+                    "--owner-key",
+                    str(self.keys / "owner.key"),
+                    "--name",
+                    "orchestrator",
+                    "--rate",
+                    "1000",
+                    "--burst",
+                    "1000",
+                ),  # fmt: skip
+                "pool api-key",
+            )
+            self.api_key_file.touch(mode=0o600)
+            self.api_key_file.write_text(key.strip())
+        return self.pool_file
+
+    @staticmethod
+    def _run(cmd: list[str], what: str) -> str:
         out = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
         if out.returncode:
-            raise LaunchError(f"prime-scheduler pool create failed:\n{out.stderr[-2000:]}")
-        return self.pool_file
+            raise LaunchError(f"prime-scheduler {what} failed:\n{out.stderr[-2000:]}")
+        return out.stdout
 
     # -- the pool's processes ---------------------------------------------------------
     def scheduler(self) -> Child:
@@ -116,6 +148,7 @@ class LocalPool:
             "--lifecycle.heartbeat-interval-s", str(hb),
             "--lifecycle.unhealthy-after-s", str(5 * hb),
             "--lifecycle.dead-after-s", str(15 * hb),
+            "--openai.tokenizer", str(resolve_model(self.policy())),
         )  # fmt: skip
         return Child("scheduler", cmd, f"{self.url}/health", service=True)
 
@@ -141,6 +174,7 @@ class LocalPool:
                 "pool": self.pool_file,
                 "scheduler": self.url,
                 "trainer_key": self.keys / "trainer.key",
+                "api_key_file": self.api_key_file,
             }
         )
         model = cfg.model.model_copy(update={"name": self.policy()})

@@ -4,12 +4,13 @@
 Per step n it waits until the trainer has written the oldest policy step n may train on
 (n - 1 - async_level: `trainer.batch.staleness`), samples prompts with a seed derived from (pool, seed, step,
 round), runs the verifiers environment with its client pointed at the scheduler's
-OpenAI-compatible endpoint (`min_version`: the newest policy, never older than that,
-which the pool holds before the round starts), joins every turn with its
-verdict from the scheduler's results stream, scores with the environment's rubric, and
-writes `rollouts/step_<n>.pt`.
+OpenAI-compatible endpoint (with the pool API key; `min_version`: the newest policy,
+never older than that, which the pool holds before the round starts), joins every turn
+with its result from the scheduler's results stream (status and the signed rollout that
+was verified), scores with the environment's rubric, and writes `rollouts/step_<n>.pt`.
 
-Invariants: an episode is trained on only if every turn was accepted (trainer/rollouts.py);
+Invariants: an episode is trained on only if every turn was accepted and the trained ids,
+logprobs and scored text are those of its signed rollout (trainer/rollouts.py);
 no sample older than async_level reaches a batch; the orchestrator runs at most
 async_level steps ahead of the trainer, so the trainer never waits while inference keeps
 up; resuming recomputes nothing that already exists: a batch file on disk is kept, and
@@ -30,10 +31,12 @@ import time
 from dataclasses import asdict
 from pathlib import Path
 
+from protocol.client import RemoteError
 from protocol.envelope import open_envelope
 from protocol.identity import Identity
-from protocol.messages import PoolConfig
+from protocol.messages import PoolConfig, Rollout
 from protocol.scheduler_client import SchedulerClient
+from protocol.tokenizer import ChatTokenizer
 from trainer.batch import Batch, TrainingSample, batch_path, oldest_admissible, write_batch
 from trainer.checkpoint import step_dir
 from trainer.config import OrchestratorConfig
@@ -41,6 +44,7 @@ from trainer.envs import load_environment, openai_client
 from trainer.monitor import Monitor
 from trainer.rollouts import Verdict, build_samples, episodes_from_outputs
 from trainer.weights import make_transport
+from verifier.models import resolve_model
 
 log = logging.getLogger("prime.orchestrator")
 VERDICT_TIMEOUT_S = 300.0
@@ -87,6 +91,8 @@ class Orchestrator:
                 f"{cfg.trainer_key} is not the trainer key of pool {self.pool.pool_id!r}: "
                 "workers would refuse its weights"
             )
+        # The trusted decoding the rubric's text is checked against (the scheduler's too).
+        self.tokenizer = ChatTokenizer(cfg.tokenizer or resolve_model(self.pool.model))
         self.env = load_environment(cfg.env)
         self.dataset = self.env.get_dataset()
         self.transport = make_transport(cfg.weights, cfg.run_dir)
@@ -106,7 +112,11 @@ class Orchestrator:
     async def _follow_results(self, client: SchedulerClient) -> None:
         async for r in client.stream(self.cursor, wait_s=5.0):
             if r.source == "openai":
-                self.verdicts[r.request_id] = Verdict(r.status, r.weights_version)
+                rollout = None
+                if r.status == "accepted" and r.rollout_envelope:
+                    rollout = open_envelope(r.rollout_envelope, Rollout, check_expiry=False)
+                    rollout = rollout.message
+                self.verdicts[r.request_id] = Verdict(r.status, r.weights_version, rollout)
                 self.verdict_event.set()
             self.cursor = r.seq
 
@@ -137,9 +147,16 @@ class Orchestrator:
         """Tell the pool about the trainer's newest weights (only between rounds)."""
         latest = self.transport.latest()
         if latest is not None and latest > self.published:
-            await client.publish_weights(self.transport.update(latest))
+            try:
+                await client.publish_weights(self.transport.update(latest))
+                log.info("announced weights v%d to the pool", latest)
+            except RemoteError as exc:
+                if exc.status != 409:
+                    raise
+                # The pool already holds a newer version: a resumed trainer is rewriting
+                # that step (its folder is gone until the new one is complete).
+                log.info("not announcing v%d: %s", latest, exc.message)
             self.published = latest
-            log.info("announced weights v%d to the pool", latest)
 
     async def _wait_verdicts(self, ids: list[str]) -> None:
         deadline = time.monotonic() + VERDICT_TIMEOUT_S
@@ -167,7 +184,7 @@ class Orchestrator:
         base = self.cfg.scheduler.split(",")[0].rstrip("/")
         out = await self.env.generate(
             inputs,
-            client=openai_client(f"{base}/v1"),
+            client=openai_client(f"{base}/v1", self.cfg.api_key_file),
             model=self.cfg.model_name or self.pool.model,
             sampling_args=self._sampling_args(min_version),
             max_concurrent=self.cfg.max_concurrent,
@@ -176,7 +193,7 @@ class Orchestrator:
         )
         episodes = episodes_from_outputs(out["outputs"], f"{step}/{rnd}")
         await self._wait_verdicts([t.rollout_id for ep in episodes for t in ep.turns])
-        return build_samples(episodes, self.verdicts, min_version)
+        return build_samples(episodes, self.verdicts, min_version, self.tokenizer.decode)
 
     async def produce(self, client: SchedulerClient, step: int) -> dict[str, float]:
         cfg = self.cfg

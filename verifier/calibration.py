@@ -1,11 +1,23 @@
 """Statistics of honest verification errors, and thresholds proposed from them.
 
 Input: the metrics of verdicts on honest rollouts, checked with no thresholds at all.
-Output: per metric the median, 99th percentile and maximum, and a `VerificationPolicy`
-whose thresholds sit above the worst honest value by a margin (so an honest node is not
-rejected) while staying far below what tampering produces.
+Output: per metric the median, 99th percentile, maximum and a fitted tail, and a
+`VerificationPolicy` whose thresholds sit where the honest distribution is exceeded with
+the target probability per rollout (`target_rate`, default 1e-4, split evenly between the
+metrics, any of which rejects), extrapolated past the
+sample by an exponential tail fitted to its top tenth (peaks over a threshold: the mean
+excess over the 90th percentile is the tail's scale), never below a floor, and capped
+where tampering starts (a capped metric then rejects honest rollouts more often than the
+target: `honest_rate` says how often).
 
-Invariant: proposed thresholds are never below the worst honest value measured.
+Also the per-node evidence model (`propose_evidence`): the honest mean and spread of each
+rollout's clipped mean logprob error, fitted from the same verdicts.
+
+Invariant: proposed thresholds are never below the worst honest value measured, whatever
+the target; the
+evidence model's spread is never below `MIN_EVIDENCE_SD` nor a tenth of the honest mean
+(an engine mix as exact as fp32 on one CPU must not flag an honest node for the noise of
+another batch composition).
 """
 
 from __future__ import annotations
@@ -13,17 +25,18 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from protocol.messages import CheckResult, VerificationPolicy
+from protocol.evidence import fit_noise
+from protocol.messages import CheckResult, EvidencePolicy, VerificationPolicy
 
-# metric name in CheckResult.metrics -> (check name, policy field, margin factor, floor)
+# metric name in CheckResult.metrics -> (check name, policy field, floor)
 _FIELDS = {
-    "exp_mismatches": ("proof", "max_exp_mismatches", 2.0, 4),
-    "mant_err_mean": ("proof", "max_mant_err_mean", 2.0, 1.0),
-    "mant_err_median": ("proof", "max_mant_err_median", 2.0, 1.0),
-    "max_abs_diff": ("logprobs", "max_logprob_abs_diff", 3.0, 0.01),
-    "mean_abs_diff": ("logprobs", "max_logprob_mean_abs_diff", 3.0, 0.002),
-    "max_score_gap": ("sampling", "sampling_tolerance", 3.0, 0.001),
-    "mismatch_fraction": ("sampling", "max_sampling_mismatch_fraction", 2.0, 0.0),
+    "exp_mismatches": ("proof", "max_exp_mismatches", 4),
+    "mant_err_mean": ("proof", "max_mant_err_mean", 1.0),
+    "mant_err_median": ("proof", "max_mant_err_median", 1.0),
+    "max_abs_diff": ("logprobs", "max_logprob_abs_diff", 0.01),
+    "mean_abs_diff": ("logprobs", "max_logprob_mean_abs_diff", 0.002),
+    "max_score_gap": ("sampling", "sampling_tolerance", 0.001),
+    "mismatch_fraction": ("sampling", "max_sampling_mismatch_fraction", 0.0),
 }
 
 # Upper bounds: a threshold above these would let tampering through (see tests/bench).
@@ -53,12 +66,48 @@ def permissive_policy() -> VerificationPolicy:
     )
 
 
+TAIL_FRACTION = 0.1
+DEFAULT_TARGET_RATE = 1e-4
+
+
+@dataclass(frozen=True)
+class TailFit:
+    """P(X > u + x) = fraction * exp(-x / scale) for x >= 0: the sample's top `fraction`."""
+
+    u: float
+    scale: float
+    fraction: float
+
+    @classmethod
+    def of(cls, values: list[float], fraction: float = TAIL_FRACTION) -> TailFit:
+        s = sorted(values)
+        k = max(1, int(len(s) * fraction))
+        u = s[len(s) - k - 1] if len(s) > k else s[0]
+        excess = [v - u for v in s[len(s) - k :]]
+        return cls(u, sum(excess) / len(excess), k / len(s))
+
+    def quantile(self, rate: float) -> float:
+        """The value exceeded with probability `rate` (inside the fit: rate < fraction)."""
+        if rate >= self.fraction or self.scale <= 0:
+            return self.u
+        return self.u + self.scale * math.log(self.fraction / rate)
+
+    def exceedance(self, value: float) -> float:
+        """P(X > value) under the fit (`fraction` for values below u)."""
+        if self.scale <= 0:  # the top of the sample is one value: nothing honest exceeds it
+            return 0.0 if value >= self.u else self.fraction
+        if value <= self.u:
+            return self.fraction
+        return self.fraction * math.exp(-(value - self.u) / self.scale)
+
+
 @dataclass
 class MetricStats:
     name: str
     median: float
     p99: float
     maximum: float
+    tail: TailFit
 
 
 def _quantile(values: list[float], q: float) -> float:
@@ -66,31 +115,108 @@ def _quantile(values: list[float], q: float) -> float:
     return s[min(len(s) - 1, max(0, math.ceil(q * len(s)) - 1))]
 
 
-def collect(verdict_checks: list[list[CheckResult]]) -> dict[str, list[float]]:
-    """Metric name -> values over all verdicts."""
+def collect(
+    verdict_checks: list[list[CheckResult]], mean_min_tokens: int | None = None
+) -> dict[str, list[float]]:
+    """Metric name -> values over all verdicts (the mean logprob error only of completions
+    the check judges by it: `VerificationPolicy.logprob_mean_min_tokens` or more tokens)."""
+    if mean_min_tokens is None:
+        mean_min_tokens = VerificationPolicy().logprob_mean_min_tokens
     out: dict[str, list[float]] = {k: [] for k in _FIELDS}
     for checks in verdict_checks:
         for c in checks:
+            short = c.metrics.get("tokens", mean_min_tokens) < mean_min_tokens
             for k, v in c.metrics.items():
-                if k in out and _FIELDS[k][0] == c.name:
+                if k in out and _FIELDS[k][0] == c.name and not (k == "mean_abs_diff" and short):
                     out[k].append(v)
     return out
 
 
 def summarize(values: dict[str, list[float]]) -> list[MetricStats]:
     return [
-        MetricStats(k, _quantile(v, 0.5), _quantile(v, 0.99), max(v))
+        MetricStats(k, _quantile(v, 0.5), _quantile(v, 0.99), max(v), TailFit.of(v))
         for k, v in values.items()
         if v
     ]
 
 
-def propose(stats: list[MetricStats], base: VerificationPolicy | None = None) -> VerificationPolicy:
-    """Thresholds = max(worst honest value x margin, floor), capped where tampering starts."""
+def propose(
+    stats: list[MetricStats],
+    base: VerificationPolicy | None = None,
+    target_rate: float = DEFAULT_TARGET_RATE,
+) -> VerificationPolicy:
+    """Thresholds = each fitted tail's (1 - target_rate / m) quantile for the m metrics
+    fitted, at least the floor and the worst honest value, capped where tampering starts.
+    The rate is split between the metrics because any one of them rejects: the rollout's
+    false-rejection rate is then at most `target_rate` (Bonferroni), not m times it."""
     fields = dict((base or VerificationPolicy()).model_dump())
+    per_metric = target_rate / max(len(stats), 1)
     for s in stats:
-        _, field, margin, floor = _FIELDS[s.name]
-        value = max(s.maximum * margin, floor)
+        _, field, floor = _FIELDS[s.name]
+        value = max(s.tail.quantile(per_metric), floor)
         value = max(min(value, _CAPS[field]), s.maximum)
         fields[field] = math.ceil(value) if field == "max_exp_mismatches" else round(value, 4)
     return VerificationPolicy(**fields)
+
+
+def threshold(s: MetricStats, policy: VerificationPolicy) -> float:
+    """`policy`'s threshold on this metric."""
+    return getattr(policy, _FIELDS[s.name][1])
+
+
+def honest_rate(s: MetricStats, policy: VerificationPolicy) -> float:
+    """Estimated share of honest rollouts that `policy`'s threshold on this metric rejects."""
+    return s.tail.exceedance(threshold(s, policy))
+
+
+_NUMERIC_CHECKS = ("sampling", "logprobs", "proof")
+
+
+def rejects(
+    checks: list[CheckResult], policy: VerificationPolicy, score_gaps: list[float] | None = None
+) -> bool:
+    """Whether `policy` rejects a rollout whose checks ran under another policy of the same
+    `support_tolerance` (`permissive_policy()` when measuring): the other checks (request,
+    weights, termination, support) count as they passed, the numeric ones are judged again
+    from their metrics (the proof's are each the worst chunk's). The sampling check needs
+    the per-token `score_gaps`, unless `policy` allows no mismatch (then the worst decides)."""
+    if any(not c.passed for c in checks if c.name not in _NUMERIC_CHECKS):
+        return True
+    by = {c.name: c.metrics for c in checks}
+    if by.get("support", {}).get("tokens_outside", 0) > 0:
+        return True
+    if score_gaps is not None:
+        outside = sum(g > policy.sampling_tolerance for g in score_gaps)
+        mismatch = outside / max(len(score_gaps), 1) > policy.max_sampling_mismatch_fraction
+    elif policy.max_sampling_mismatch_fraction == 0:
+        mismatch = by["sampling"]["max_score_gap"] > policy.sampling_tolerance
+    else:
+        raise ValueError("judging a policy that allows sampling mismatches needs score_gaps")
+    lp, proof = by["logprobs"], by["proof"]
+    return (
+        mismatch
+        or lp["max_abs_diff"] > policy.max_logprob_abs_diff
+        or (
+            lp["tokens"] >= policy.logprob_mean_min_tokens
+            and lp["mean_abs_diff"] > policy.max_logprob_mean_abs_diff
+        )
+        or proof["exp_mismatches"] > policy.max_exp_mismatches
+        or proof["mant_err_mean"] > policy.max_mant_err_mean
+        or proof["mant_err_median"] > policy.max_mant_err_median
+    )
+
+
+MIN_EVIDENCE_SD = 1e-4  # nats: a systematic excess smaller than this is not worth a ban
+
+
+def propose_evidence(verdict_checks: list[list[CheckResult]], **settings) -> EvidencePolicy:
+    """The per-node evidence model fitted to honest verdicts (see the module invariant)."""
+    scores = [
+        (c.metrics["clipped_mean_abs_diff"], int(c.metrics["tokens"]))
+        for checks in verdict_checks
+        for c in checks
+        if c.name == "logprobs" and "clipped_mean_abs_diff" in c.metrics
+    ]
+    fitted = fit_noise(scores, **settings)
+    floor = max(MIN_EVIDENCE_SD, 0.1 * fitted.mu)
+    return fitted.model_copy(update={"between": round(max(fitted.between, floor), 6)})

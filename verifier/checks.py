@@ -4,15 +4,20 @@ What each check proves is in DESIGN.md section 10. The checks, in order:
 - request: the rollout answers the request it claims (prompt, sampling params, seed);
 - weights: it was generated with the weights the verifier holds;
 - termination: EOS / stop strings / max_tokens end the completion where they must;
-- support: every token lies inside the claimed top-k / top-p set;
+- support: every token lies inside the claimed top-k / top-p set (the lenient mask of
+  `verifier.sampling`: the policy's slack on the nucleus, and near-ties at its boundary);
 - sampling: replaying the seeded Gumbel-max choice on the verifier's logits picks every
-  token (up to numerical near-ties);
+  token (up to numerical near-ties: the best score is taken over the core mask, the
+  tokens any honest engine keeps);
 - logprobs: the claimed logprobs match the verifier's;
 - proof: the TOPLOC proof matches the verifier's hidden states.
 
 Invariants: every check runs (a verdict lists all failures, not just the first); a
 rollout is accepted only when all pass; nothing here trusts a field of the rollout
-without recomputing it.
+without recomputing it; every value `SamplingParams` accepts is judged by the rule the
+sampler and the torch engine apply (top-k/top-p in `verifier.sampling`; EOS and stop
+strings here as in the engine's decode loop: the same decode, every prefix), so an honest
+rollout passes whatever its request's parameters.
 """
 
 from __future__ import annotations
@@ -26,6 +31,7 @@ from verifier.proofs import check_proof
 from verifier.sampling import ReplayResult, RowParams, replay_rows
 
 Decode = Callable[[list[int]], str]
+DEFAULT_EVIDENCE_CAP = 1.0  # `EvidencePolicy.cap` of a pool without per-node evidence
 
 
 def check_request(rollout: Rollout, request: RolloutRequest | None) -> CheckResult:
@@ -35,6 +41,7 @@ def check_request(rollout: Rollout, request: RolloutRequest | None) -> CheckResu
         name
         for name, ok in (
             ("request_id", rollout.request_id == request.request_id),
+            ("pool_id", rollout.pool_id == request.pool_id),
             ("prompt_ids", rollout.prompt_ids == request.prompt_ids),
             ("sampling", rollout.sampling == request.sampling),
             ("seed", rollout.seed == request.seed),
@@ -183,8 +190,10 @@ def check_rollout(
     )
 
     diff = (torch.tensor(rollout.logprobs, dtype=torch.float32) - rep.logprobs).abs()
+    cap = policy.evidence.cap if policy.evidence is not None else DEFAULT_EVIDENCE_CAP
     max_diff, mean_diff = float(diff.max()), float(diff.mean())
-    ok = max_diff <= policy.max_logprob_abs_diff and mean_diff <= policy.max_logprob_mean_abs_diff
+    mean_ok = n < policy.logprob_mean_min_tokens or mean_diff <= policy.max_logprob_mean_abs_diff
+    ok = max_diff <= policy.max_logprob_abs_diff and mean_ok
     results.append(
         CheckResult(
             name="logprobs",
@@ -192,7 +201,13 @@ def check_rollout(
             detail=""
             if ok
             else f"claimed logprobs differ by up to {max_diff:.3f} (mean {mean_diff:.4f})",
-            metrics={"max_abs_diff": max_diff, "mean_abs_diff": mean_diff},
+            metrics={
+                "max_abs_diff": max_diff,
+                "mean_abs_diff": mean_diff,
+                # The per-node evidence score (`protocol.evidence`), signed in the verdict.
+                "clipped_mean_abs_diff": float(diff.clamp(max=cap).mean()),
+                "tokens": float(n),
+            },
         )
     )
 

@@ -12,10 +12,22 @@ Invariants:
 - Logprobs are reported under ``log_softmax(logits / T)`` (``T = 1`` for greedy), without
   the top-k/top-p truncation: that is the behaviour policy the trainer divides by.
 - Temperature 0 is greedy: no noise, argmax of the filtered logits.
+- One rule decides the support, per row, in the sampler, the verifier's strict mask and
+  its lenient mask (`support_mask`): top-k keeps the k most likely tokens (k = 0 or
+  k >= vocabulary size: all); top-p then keeps the smallest set whose mass reaches p, so
+  the most likely token is always kept (also when p rounds to 0 in float32, e.g. 1e-300)
+  and p >= 1 (after float32 rounding) keeps every token top-k kept, whatever the batch's
+  other rows ask for. The support is never empty, so the argmax is always a kept token.
+- The verifier's two other masks bracket the strict one, for honest numerical differences
+  between engines: the lenient mask (support check) only adds to it, the core mask (the
+  best score the replay compares with) only removes from it: p + slack or p - slack for
+  the nucleus, and near-ties at its boundary (tokens within a factor ``1 - slack`` in
+  probability) admitted or dropped. With slack 0 both are the strict mask.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -96,20 +108,71 @@ def _param_tensors(
     return t, k, top_p
 
 
+def _kept_sorted(
+    sorted_vals: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, p_shift: float
+) -> torch.Tensor:
+    """Boolean [B, V] over the row sorted in descending order: top-k, then the nucleus cut
+    at p + `p_shift`. Always a non-empty prefix of the sorted row."""
+    ranks = torch.arange(sorted_vals.shape[-1], device=sorted_vals.device)[None, :]
+    keep = ranks < top_k[:, None]
+    probs = torch.softmax(sorted_vals.masked_fill(~keep, float("-inf")), dim=-1)
+    mass_before = probs.cumsum(-1) - probs
+    # The nucleus is the smallest prefix whose mass reaches p: a token is in it iff the mass
+    # before it is < p. The first token always is (p may be 0 in float32: top_p = 1e-300),
+    # and p >= 1 filters nothing (the float32 cumsum can reach 1 before the tail does).
+    nucleus = (mass_before < (top_p[:, None] + p_shift)) | (top_p[:, None] >= 1.0)
+    nucleus[:, 0] = True
+    return keep & nucleus
+
+
+def _tie(p_slack: float) -> float:
+    """Near-tie width in scaled-logit units: tokens whose probabilities differ by a factor
+    of at most 1 - `p_slack` (finite, so that -inf logits stay -inf)."""
+    return -math.log1p(-p_slack) if p_slack < 1 else float(torch.finfo(torch.float32).max)
+
+
 def support_mask(
     scaled: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, p_slack: float = 0.0
 ) -> torch.Tensor | None:
-    """Boolean [B, V]: tokens kept by top-k then top-p (with `p_slack` added to p);
-    None when no row filters anything (the common case, and the fast path)."""
+    """Boolean [B, V]: tokens kept by top-k then top-p; None when no row filters anything
+    (the common case, and the fast path).
+
+    The strict mask (`p_slack` = 0) is the sampler's. A verifier's lenient mask
+    (`p_slack` > 0) is a superset for honest numerical differences: the nucleus is cut at
+    p + `p_slack`, and a token at least (1 - `p_slack`) times as likely as a kept one is
+    kept too, so a near-tie across the boundary (the k-th token; the most likely one when
+    top_k = 1 or top_p is tiny) is not taken for a token outside the support."""
     vocab = scaled.shape[-1]
     if bool((top_k >= vocab).all()) and bool((top_p >= 1.0).all()):
         return None
     sorted_vals, sorted_idx = scaled.sort(dim=-1, descending=True)
-    ranks = torch.arange(vocab, device=scaled.device)[None, :]
-    keep = ranks < top_k[:, None]
-    probs = torch.softmax(sorted_vals.masked_fill(~keep, float("-inf")), dim=-1)
-    mass_before = probs.cumsum(-1) - probs
-    keep &= mass_before < (top_p[:, None] + p_slack)
+    keep = _kept_sorted(sorted_vals, top_k, top_p, p_slack)
+    if p_slack > 0:
+        floor = sorted_vals.masked_fill(~keep, float("inf")).min(dim=-1, keepdim=True).values
+        keep |= sorted_vals >= floor - _tie(p_slack)
+    return torch.zeros_like(keep).scatter(-1, sorted_idx, keep)
+
+
+def core_mask(
+    scaled: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, p_slack: float
+) -> torch.Tensor | None:
+    """Boolean [B, V]: tokens every honest engine keeps (a subset of the strict mask; the
+    strict mask itself when `p_slack` = 0); None when no row filters anything.
+
+    The nucleus is cut at p - `p_slack`, and kept tokens that are near-ties of the most
+    likely token left out are dropped. A row can be empty: a near-tie at the most likely
+    token under top_k = 1 or a tiny top_p, where either token is an honest choice. The
+    replay takes its best score over this set, so a token that the verifier's own strict
+    mask keeps but an honest generator's could not does not count against the claim."""
+    if p_slack <= 0:
+        return support_mask(scaled, top_k, top_p)
+    vocab = scaled.shape[-1]
+    if bool((top_k >= vocab).all()) and bool((top_p >= 1.0).all()):
+        return None
+    sorted_vals, sorted_idx = scaled.sort(dim=-1, descending=True)
+    keep = _kept_sorted(sorted_vals, top_k, top_p, -p_slack)
+    ceiling = sorted_vals.masked_fill(keep, float("-inf")).max(dim=-1, keepdim=True).values
+    keep &= sorted_vals > ceiling + _tie(p_slack)
     return torch.zeros_like(keep).scatter(-1, sorted_idx, keep)
 
 
@@ -181,8 +244,10 @@ class ReplayResult:
     """Per-token outcome of replaying a sampled completion on the verifier's logits."""
 
     logprobs: torch.Tensor  # [N] verifier's logprobs of the claimed tokens
-    score_gap: torch.Tensor  # [N] best perturbed score minus the claimed token's (>= 0 when honest)
-    in_support: torch.Tensor  # [N] bool: claimed token inside top-k/top-p (with slack)
+    # [N] best perturbed score over the core support minus the claimed token's: 0 (up to
+    # numerical error) when honest, <= 0 for an honest near-tie at the support's boundary.
+    score_gap: torch.Tensor
+    in_support: torch.Tensor  # [N] bool: claimed token inside the lenient top-k/top-p mask
 
 
 # Rows replayed per block: bounds the float64 noise temporaries to ~2**24 elements.
@@ -239,8 +304,11 @@ def _replay_block(
     t, k, p = _param_tensors(params, vocab, logits.device)
     scaled = logits / t[:, None]
     tok = torch.tensor(tokens, dtype=torch.int64, device=logits.device)[:, None]
-    strict = support_mask(scaled, k, p)
-    lenient = support_mask(scaled, k, p, p_slack) if p_slack > 0 and strict is not None else strict
+    # Support: the lenient mask (a superset of any honest generator's). Best score: over the
+    # core mask (a subset of any honest generator's), so the claimed token, the best of the
+    # generator's support, can trail it only by numerical error.
+    lenient = support_mask(scaled, k, p, p_slack)
+    core = lenient if lenient is None or p_slack <= 0 else core_mask(scaled, k, p, p_slack)
     scores = scaled
     stochastic = [x.temperature > 0 for x in params]
     if any(stochastic):
@@ -248,12 +316,10 @@ def _replay_block(
         if not all(stochastic):
             noise *= torch.tensor(stochastic, device=logits.device)[:, None]
         scores = scaled + noise
-    best = (
-        (scores if strict is None else scores.masked_fill(~strict, float("-inf")))
-        .max(dim=-1)
-        .values
-    )
+    best = (scores if core is None else scores.masked_fill(~core, float("-inf"))).max(dim=-1).values
     gap = best - scores.gather(-1, tok)[:, 0]
+    # An empty core (a near-tie at the most likely token, top_k = 1): nothing to trail.
+    gap = gap.masked_fill(best == float("-inf"), 0.0)
     in_support = (
         torch.ones(n, dtype=torch.bool, device=logits.device)
         if lenient is None

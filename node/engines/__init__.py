@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from node.engines.base import GenerationRequest, GenerationResult, InferenceEngine, PrefillResult
+from protocol.messages import EngineMix
 
 __all__ = [
     "GenerationRequest",
@@ -10,6 +11,7 @@ __all__ = [
     "InferenceEngine",
     "PrefillResult",
     "create_engine",
+    "engine_mix",
 ]
 
 
@@ -24,3 +26,10 @@ def create_engine(config) -> InferenceEngine:  # config: node.config.EngineConfi
 
         return VLLMEngine(config)
     raise ValueError(f"unknown engine kind {config.kind!r}")
+
+
+def engine_mix(engine, kind: str) -> EngineMix:
+    """The (engine, dtype, device kind) a loaded engine generates with."""
+    dtype = str(getattr(engine, "dtype", "torch.float32")).removeprefix("torch.")
+    device = str(getattr(engine, "device", "cpu")).split(":")[0]
+    return EngineMix(engine=kind, dtype=dtype, device=device)

@@ -50,11 +50,29 @@ class SwarmConfig(Section):
     share: bool = True
     """Serve pieces to other downloaders. False makes a pure leecher (a star topology: only
     seeds upload; for comparisons)."""
+    relay_service: bool = False
+    """Act as a circuit relay (libp2p circuit relay v2, hop) for peers nobody can dial:
+    they reserve a slot here and are reached through it. The trainer's seed turns it on
+    (it is public by necessity); a worker with a public address may too."""
+    relay_max_reservations: int = Field(1024, ge=1, le=100_000)
+    """Peers that may hold a reservation on this relay at once."""
+    relay_max_circuits: int = Field(64, ge=1, le=10_000)
+    """Relayed connections through this relay per reserving peer."""
+    use_relay: bool = True
+    """Reserve a slot on the trainer's seed (a relay) and announce the relayed address, so
+    peers that cannot dial this one directly (it sits behind NAT) still reach it; direct
+    addresses are always tried first."""
+    relays: list[str] = []
+    """Relays to reserve a slot on at start (full multiaddrs ending in /p2p/<relay id>);
+    a pool node also reserves on the trainer's seed named by each weights update."""
+    hole_punch: bool = True
+    """Over a relayed connection, try to upgrade to a direct one (DCUtR hole punching);
+    where the NATs allow it, pieces then stop going through the relay."""
     max_connections: int = Field(10_000, ge=16)
     """libp2p connection limit (py-libp2p counts every inbound connection it ever accepted
     against a limit derived from this)."""
 
-    @field_validator("listen", "announce_addrs")
+    @field_validator("listen", "announce_addrs", "relays")
     @classmethod
     def check_multiaddrs(cls, v: list[str]) -> list[str]:
         for a in v:

@@ -12,6 +12,10 @@ Invariants:
   key), and only for one weights folder at a time; a banned peer (one that sent a bad
   piece) is refused on every torrent for the host's life.
 - Upload and download caps are per host, shared by every torrent and peer.
+- Behind NAT: a peer holding a reservation on a relay (circuit relay v2; the trainer's
+  seed is the pool's) announces `<relay>/p2p-circuit/p2p/<me>` next to its direct
+  addresses; a dialer tries the direct ones first, then each relay. A relayed session is
+  checked like any other (every piece is hashed): the relay only forwards bytes.
 """
 
 from __future__ import annotations
@@ -31,8 +35,15 @@ from libp2p.crypto import ed25519, x25519
 from libp2p.network.config import ConnectionConfig
 from libp2p.peer.id import ID
 from libp2p.peer.peerinfo import info_from_p2p_addr
+from libp2p.relay.circuit_v2.config import RelayConfig, RelayRole
+from libp2p.relay.circuit_v2.dcutr import DCUtRProtocol
+from libp2p.relay.circuit_v2.protocol import PROTOCOL_ID as HOP_ID
+from libp2p.relay.circuit_v2.protocol import CircuitV2Protocol
+from libp2p.relay.circuit_v2.resources import RelayLimits
+from libp2p.relay.circuit_v2.transport import CircuitV2Transport
 from libp2p.security.noise.transport import PROTOCOL_ID as NOISE_ID
 from libp2p.security.noise.transport import Transport as NoiseTransport
+from libp2p.tools.anyio_service import background_trio_service
 
 from protocol.identity import Identity
 from protocol.swarm.config import SwarmConfig
@@ -62,6 +73,8 @@ class SwarmHost:
         self.trusted = trusted
         self.peer_id = identity.node_id
         self.addrs: list[str] = []  # full multiaddrs ending in /p2p/<peer id>
+        self.listen_addrs: list[str] = []  # the direct ones among them
+        self.relayed: dict[str, str] = {}  # relay peer id -> our circuit address through it
         self.banned: set[str] = set()
         self.torrents: dict[str, Torrent] = {}
         self._thread: threading.Thread | None = None
@@ -80,6 +93,8 @@ class SwarmHost:
             raise TimeoutError("the libp2p host did not start")
         if self._failure is not None:
             raise RuntimeError(f"the libp2p host failed to start: {self._failure}")
+        if self.cfg.use_relay and self.cfg.relays:
+            self.reserve(self.cfg.relays)
         return self
 
     def close(self) -> None:
@@ -129,15 +144,37 @@ class SwarmHost:
         self.up = TokenBucket(cfg.upload_rate)
         self.down = TokenBucket(cfg.download_rate)
         self._stop = trio.Event()
-        async with host.run(listen_addrs=listen), trio.open_nursery() as nursery:
-            self._nursery = nursery
-            self._token = trio.lowlevel.current_trio_token()
-            self.addrs = [str(a) for a in host.get_addrs()]
-            self._ready.set()
-            await self._stop.wait()
-            for t in self.torrents.values():
-                t.stop()
-            nursery.cancel_scope.cancel()
+        # Circuit relay v2: every peer can be reached through a relay it reserved a slot
+        # on (STOP) and can reserve one (CLIENT); a relay service also forwards (HOP).
+        # The data cap is explicit: 0 would mean a 0-byte budget per circuit.
+        limits = RelayLimits(
+            duration=0,
+            data=1 << 50,
+            max_circuit_conns=cfg.relay_max_circuits,
+            max_reservations=cfg.relay_max_reservations,
+            reservation_ttl=3600,
+        )
+        relay = CircuitV2Protocol(host, limits=limits, allow_hop=cfg.relay_service)
+        roles = RelayRole.STOP | RelayRole.CLIENT
+        if cfg.relay_service:
+            roles |= RelayRole.HOP
+        services = [relay, *([DCUtRProtocol(host)] if cfg.hole_punch else [])]
+        async with host.run(listen_addrs=listen), contextlib.AsyncExitStack() as stack:
+            # The services' nurseries open (and close) outside the host's own nursery.
+            for service in services:
+                await stack.enter_async_context(background_trio_service(service))
+                await service.event_started.wait()
+            self._relay = CircuitV2Transport(host, relay, RelayConfig(roles=roles, limits=limits))
+            async with trio.open_nursery() as nursery:
+                self._nursery = nursery
+                self._token = trio.lowlevel.current_trio_token()
+                self.listen_addrs = [str(a) for a in host.get_addrs()]
+                self.addrs = list(self.listen_addrs)
+                self._ready.set()
+                await self._stop.wait()
+                for t in self.torrents.values():
+                    t.stop()
+                nursery.cancel_scope.cancel()
 
     # -- the bridge ------------------------------------------------------------------
     def _submit(self, fn: Callable[[], Awaitable[T]]) -> concurrent.futures.Future[T]:
@@ -212,6 +249,42 @@ class SwarmHost:
 
         self._call(go)
 
+    def reserve(self, relay_addrs: list[str]) -> list[str]:
+        """Hold a reservation on each relay in `relay_addrs` (full multiaddrs of relay
+        peers; the trainer's seed is one) and announce the relayed address through it
+        (`addrs`). Idempotent: a relay still connected keeps its reservation (libp2p
+        refreshes it), one that dropped (a restarted trainer) is reserved on again.
+        Returns the circuit addresses now announced."""
+
+        async def go() -> list[str]:
+            network = self._host.get_network()
+            for peer_id, addrs in _parse_peers(relay_addrs):
+                if peer_id == self.peer_id or (
+                    peer_id in self.relayed and network.connections.get(ID.from_base58(peer_id))
+                ):
+                    continue
+                direct = [a for a in addrs if "/p2p-circuit" not in a]
+                try:
+                    info = _peer_info(direct)
+                    with trio.fail_after(self.cfg.connect_timeout_s):
+                        await self._host.connect(info)
+                        stream = await self._host.new_stream(info.peer_id, [HOP_ID])
+                        ok = await self._relay.reserve(stream, info.peer_id, self._nursery)
+                        await stream.close()
+                except Exception as exc:  # a relay that is down or refuses: try later
+                    log.info("no reservation on relay %s: %r", peer_id[:16], exc)
+                    self.relayed.pop(peer_id, None)
+                    continue
+                if ok:
+                    self.relayed[peer_id] = f"{direct[0]}/p2p-circuit/p2p/{self.peer_id}"
+                    log.info("reachable through relay %s", peer_id[:16])
+                else:
+                    self.relayed.pop(peer_id, None)
+            self.addrs = [*self.listen_addrs, *self.relayed.values()]
+            return list(self.relayed.values())
+
+        return self._call(go)
+
     def status(self, manifest_hash: str) -> TorrentStatus | None:
         async def go() -> TorrentStatus | None:
             t = self.torrents.get(manifest_hash)
@@ -274,20 +347,26 @@ class SwarmHost:
         return Msg(Kind.HANDSHAKE, data=bytes.fromhex(t.hash), peers=[(self.peer_id, self.addrs)])
 
     async def _dial(self, peer_id: str, addrs: list[str], t: Torrent) -> Session | None:
-        info = info_from_p2p_addr(multiaddr.Multiaddr(addrs[0]))
-        for a in addrs[1:]:
-            info.addrs.append(multiaddr.Multiaddr(a.split("/p2p/")[0]))
-        # Dial only the addresses named now: a peer that restarted (a trainer after kill -9)
-        # has a new port, and libp2p would otherwise keep trying the dead one it stored.
-        self._host.get_peerstore().clear_addrs(info.peer_id)
+        """Open a session with `peer_id` for `t`: its direct addresses first, then each
+        relayed one (a peer behind NAT), through that relay."""
+        direct = [a for a in addrs if "/p2p-circuit" not in a]
+        relayed = [a for a in addrs if "/p2p-circuit" in a]
         try:
+            if not direct:
+                raise WireError("no direct address")
+            info = _peer_info(direct)
+            # Dial only the addresses named now: a peer that restarted (a trainer after
+            # kill -9) has a new port, and libp2p would otherwise keep trying the dead one.
+            self._host.get_peerstore().clear_addrs(info.peer_id)
             with trio.fail_after(self.cfg.connect_timeout_s):
                 await self._host.connect(info)
                 stream = await self._host.new_stream(info.peer_id, [PROTOCOL_ID])
         except Exception:
             # A connection that outlived its peer stays in libp2p's table: drop it.
             await self._disconnect(peer_id)
-            raise
+            if not relayed:
+                raise
+            stream, info = await self._dial_relayed(peer_id, relayed)
         if str(info.peer_id) != peer_id:
             await stream.reset()
             raise WireError("dialed address belongs to another peer")
@@ -299,6 +378,20 @@ class SwarmHost:
             await stream.reset()
             raise WireError("peer does not serve this manifest")
         return t.attach(peer_id, [], stream, reader) or await _reset(stream)
+
+    async def _dial_relayed(self, peer_id: str, circuits: list[str]):
+        """A stream to `peer_id` through the first relay in `circuits` that gets us there."""
+        failure: Exception = WireError("no relayed address")
+        for circuit in circuits:
+            try:
+                with trio.fail_after(self.cfg.connect_timeout_s):
+                    await self._relay.dial(multiaddr.Multiaddr(circuit))
+                    info = info_from_p2p_addr(multiaddr.Multiaddr(circuit))
+                    stream = await self._host.new_stream(info.peer_id, [PROTOCOL_ID])
+                return stream, info
+            except Exception as exc:  # this relay is down or has no reservation for it
+                failure = exc
+        raise failure
 
     async def _inbound(self, stream) -> None:
         peer_id = str(stream.muxed_conn.peer_id)
@@ -340,6 +433,14 @@ def _open_store(dest: Path, manifest, envelope: bytes) -> PieceStore:
         except (OSError, ValueError):
             pass  # files missing or resized since: fetch again
     return PieceStore.download(dest, manifest)
+
+
+def _peer_info(addrs: list[str]):
+    """One PeerInfo from full multiaddrs of one peer (each ending in /p2p/<id>)."""
+    info = info_from_p2p_addr(multiaddr.Multiaddr(addrs[0]))
+    for a in addrs[1:]:
+        info.addrs.append(multiaddr.Multiaddr(a.split("/p2p/")[0]))
+    return info
 
 
 def _parse_peers(addrs: list[str]) -> list[tuple[str, list[str]]]:

@@ -1,19 +1,25 @@
 #!/usr/bin/env python
-"""Scheduler benchmark: dispatch rate and latency at 1,000 nodes, memory, overhead.
+"""Scheduler benchmark: dispatch rate and latency at 1,000 nodes, memory, overhead, and
+how fast the pool is whole again after a scheduler restart.
 
 Starts real processes on loopback (`protocol.processes.ManagedProcess`): a scheduler
 (`python -m scheduler.cli serve`, SQLite, its pool made with `scheduler.cli pool create`)
 and ONE load-test nodes process (tests/bench/loadtest_nodes.py: `--nodes` fake workers
 with an instant engine that verifies nothing, each with its own key, heartbeating every
-`--heartbeat-s`). This process is the orchestrator: it holds the pool's trainer key.
+`--heartbeat-s`). Each fake node opens its own node channel, the WebSocket at
+/v1/nodes/connect (`protocol.channel`): the scheduler never dials a node, every call it
+makes to one (generate, verify) goes over that node's channel and is answered in the
+load-test process. This process is the orchestrator: it holds the pool's trainer key.
 
-1. Idle, all nodes heartbeating: scheduler RSS and CPU, heartbeat latency (the load-test
-   process measures it), node states as the scheduler reports them.
+1. Idle, all nodes heartbeating with their channels open (both ends ping every
+   `--channel-ping-s`): scheduler RSS and CPU at N connected nodes, heartbeat latency (the
+   load-test process measures it), node states as the scheduler reports them.
 2. Overhead: the same small `RolloutRequest`, sequentially, `--overhead-n` times each,
-   interleaved: sent directly to one load-test node (signed by the trainer key, which the
-   nodes trust for this), directly to one node and then verified by a second one (the same
-   work the scheduler does for a request, without it), and through the scheduler
-   (`SubmitRollouts` of one request, then `ResultsQuery` long-polls until it is released).
+   interleaved: sent directly to one load-test node over HTTP (signed by the scheduler's
+   own key, which the nodes trust; the node's own cost, not the scheduler's path), directly
+   to one node and then verified by a second one (the same work the scheduler does for a
+   request, without it), and through the scheduler (`SubmitRollouts` of one request, its
+   calls over the nodes' channels, then `ResultsQuery` long-polls until it is released).
    Ratios of medians: through / direct, through / (direct + verify).
 3. Rate steps: `SubmitRollouts` at a fixed offered rate R (a batch every `--batch-ms`),
    `--warmup-s` then `--measure-s`, while one long-poll loop reads the results stream.
@@ -27,9 +33,19 @@ with an instant engine that verifies nothing, each with its own key, heartbeatin
    accepted, and no submission was refused (503/429). The headline: the highest sustained
    R whose dispatch p99 (the scheduler's histogram; end-to-end when absent) is < 50 ms.
    Steps stop after two unsustained ones in a row.
-4. Memory: scheduler RSS (psutil, children included) idle at N nodes and peak under load.
-   CPU % of each process per step (2 cores = 200%): on this box the scheduler, the nodes
-   process and this orchestrator share the cores, so read the rates as a floor.
+4. Memory: scheduler RSS (psutil, children included) idle at N connected nodes and peak
+   under load. CPU % of each process per step (2 cores = 200%): on this box the scheduler,
+   the nodes process and this orchestrator share the cores, so read the rates as a floor.
+5. Restart (`--restarts` times, after the steps): kill -9 the scheduler, start it again at
+   once on the same database, key and port, and time from the restart's start until the
+   pool is whole again: the scheduler's /health reports N healthy nodes AND the load-test
+   process reports all N channels open (it counts a channel open once its hello is sent
+   and the scheduler has not closed it). Both are needed: a scheduler reloads the nodes'
+   last state from its database, so its /health alone may say "healthy" before a single
+   channel is back (`healthy_at_first_health` records what it said first). The time
+   includes the scheduler's start-up and the nodes' reconnect backoff (0.25 s doubling, as
+   a real node's). Then a batch of requests must all come back accepted (the channels
+   carry calls again).
 
 How to read it: absolute rates belong to this shared 2-core machine; the overhead ratio is
 measured side by side in one run and carries over better. Rate limits are lifted for the
@@ -52,6 +68,7 @@ import importlib.metadata
 import json
 import os
 import platform
+import resource
 import shutil
 import statistics
 import subprocess
@@ -119,6 +136,7 @@ class Deployment:
     nodes: ManagedProcess
     nodes_url: str
     pool: PoolConfig
+    scheduler_cmd: list[str] = field(default_factory=list)  # to start it again (a restart)
 
     def stop(self) -> None:
         self.nodes.stop()
@@ -155,10 +173,22 @@ def create_pool(workdir: Path, args: argparse.Namespace) -> tuple[Path, Identity
             str(trainer_key),
             "--out",
             str(pool_file),
+            # The load-test nodes' engine: thresholds matter nothing to them.
+            "--verification.engine-mixes",
+            '[{"engine": "loadtest", "dtype": "float32", "device": "cpu"}]',
         ],
         "scheduler.cli pool create",
     )
     return pool_file, trainer
+
+
+def raise_fd_limit() -> None:
+    """N channels are N sockets in the scheduler: lift the soft open-files limit to the hard
+    one here, before the children start (they inherit it)."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if hard == resource.RLIM_INFINITY or soft < hard:
+        with contextlib.suppress(ValueError, OSError):
+            resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
 
 
 def start_deployment(workdir: Path, args: argparse.Namespace) -> Deployment:
@@ -166,38 +196,37 @@ def start_deployment(workdir: Path, args: argparse.Namespace) -> Deployment:
     port = free_port()
     url = f"http://127.0.0.1:{port}"
     console.print(f"starting the scheduler on {url}")
+    scheduler_cmd = [
+        sys.executable,
+        *(["-m", "cProfile", "-o", str(args.scheduler_profile)] if args.scheduler_profile else []),
+        "-m",
+        "scheduler.cli",
+        "serve",
+        "--pool-file",
+        str(pool_file),
+        "--key-file",
+        str(workdir / "scheduler.key"),
+        "--log-dir",
+        str(workdir / "scheduler-logs"),
+        "--database.url",
+        f"sqlite+aiosqlite:///{workdir / 'scheduler.db'}",
+        "--server.port",
+        str(port),
+        "--lifecycle.heartbeat_interval_s",
+        str(args.heartbeat_s),
+        "--lifecycle.unhealthy_after_s",
+        str(args.heartbeat_s * 2.5),
+        "--lifecycle.dead_after_s",
+        str(args.heartbeat_s * 4.5),
+        "--channel.ping_interval_s",
+        str(args.channel_ping_s),
+        "--rate_limits.exempt_addresses",
+        '["127.0.0.1"]',
+        *args.scheduler_arg,
+    ]
     scheduler = ManagedProcess.start(
         "scheduler",
-        [
-            sys.executable,
-            *(
-                ["-m", "cProfile", "-o", str(args.scheduler_profile)]
-                if args.scheduler_profile
-                else []
-            ),
-            "-m",
-            "scheduler.cli",
-            "serve",
-            "--pool-file",
-            str(pool_file),
-            "--key-file",
-            str(workdir / "scheduler.key"),
-            "--log-dir",
-            str(workdir / "scheduler-logs"),
-            "--database.url",
-            f"sqlite+aiosqlite:///{workdir / 'scheduler.db'}",
-            "--server.port",
-            str(port),
-            "--lifecycle.heartbeat_interval_s",
-            str(args.heartbeat_s),
-            "--lifecycle.unhealthy_after_s",
-            str(args.heartbeat_s * 2.5),
-            "--lifecycle.dead_after_s",
-            str(args.heartbeat_s * 4.5),
-            "--rate_limits.exempt_addresses",
-            '["127.0.0.1"]',
-            *args.scheduler_arg,
-        ],
+        scheduler_cmd,
         f"{url}/health",
         workdir / "scheduler.log",
         cwd=REPO_ROOT,
@@ -208,7 +237,9 @@ def start_deployment(workdir: Path, args: argparse.Namespace) -> Deployment:
         pool = open_envelope(resp.read(), PoolConfig, check_expiry=False).message
     nport = free_port()
     nodes_url = f"http://127.0.0.1:{nport}"
-    console.print(f"starting {args.nodes} load-test nodes on {nodes_url}/n/<i>")
+    console.print(
+        f"starting {args.nodes} load-test nodes (HTTP for direct calls: {nodes_url}/n/<i>)"
+    )
     t0 = time.perf_counter()
     try:
         nodes = ManagedProcess.start(
@@ -224,6 +255,8 @@ def start_deployment(workdir: Path, args: argparse.Namespace) -> Deployment:
                 str(nport),
                 "--heartbeat-s",
                 str(args.heartbeat_s),
+                "--channel-ping-s",
+                str(args.channel_ping_s),
                 "--completion-tokens",
                 str(SAMPLING.max_tokens),
             ],
@@ -235,9 +268,13 @@ def start_deployment(workdir: Path, args: argparse.Namespace) -> Deployment:
     except BaseException:
         scheduler.stop()
         raise
-    console.print(f"{args.nodes} nodes registered in {time.perf_counter() - t0:.1f} s")
+    console.print(
+        f"{args.nodes} nodes registered, channels open, in {time.perf_counter() - t0:.1f} s"
+    )
     scheduler_key = Identity.load_or_create(workdir / "scheduler.key")
-    return Deployment(workdir, trainer, scheduler_key, scheduler, url, nodes, nodes_url, pool)
+    return Deployment(
+        workdir, trainer, scheduler_key, scheduler, url, nodes, nodes_url, pool, scheduler_cmd
+    )
 
 
 @dataclass
@@ -715,6 +752,147 @@ async def wait_all_healthy(orch: Orchestrator, n: int, timeout_s: float) -> dict
     return health
 
 
+async def _get_json(session: aiohttp.ClientSession, url: str) -> dict[str, Any] | None:
+    """GET `url` as JSON; None when it does not answer 200 (a scheduler still starting)."""
+    try:
+        async with session.get(url, timeout=aiohttp.ClientTimeout(total=2)) as resp:
+            return await resp.json() if resp.status == 200 else None
+    except (TimeoutError, aiohttp.ClientError, OSError, ValueError):
+        return None
+
+
+async def stop_task(task: asyncio.Task) -> None:
+    task.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await task
+
+
+async def measure_restart(
+    dep: Deployment, cursor: int, args: argparse.Namespace, k: int
+) -> tuple[dict[str, Any], int]:
+    """kill -9 the scheduler, start it again on the same database, key and port; time until
+    /health reports N healthy nodes AND the load-test process has all N channels open (see
+    the module docstring, step 5), then check that a batch of requests is served. Returns
+    the figures and the results cursor after the check."""
+    n = args.nodes
+    url = dep.scheduler_url
+    # A fresh session: the pooled connections to the killed process are dead.
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=60)) as session:
+        before = await loadtest_stats(dep, session)
+        old_pid = dep.scheduler.proc.pid
+        console.print(f"restart {k + 1}/{args.restarts}: kill -9 the scheduler (pid {old_pid})")
+        dep.scheduler.kill9()
+        t0 = time.perf_counter()
+        dep.scheduler = ManagedProcess.start(
+            "scheduler",
+            dep.scheduler_cmd,
+            f"{url}/health",
+            dep.workdir / f"scheduler-restart{k + 1}.log",
+            cwd=REPO_ROOT,
+            env=dict(kv.split("=", 1) for kv in args.scheduler_env),
+            wait=False,
+        )
+        up = healthy_at = channels_at = whole_at = None
+        first_health: dict[str, Any] | None = None
+        channels_at_first_health = None
+        dropped = False  # the nodes saw their channels close (the kill reached them)
+        timeline: list[tuple[float, int | None, int | None]] = []
+        deadline = t0 + args.restart_timeout_s
+        while time.perf_counter() < deadline:
+            health, stats = await asyncio.gather(
+                _get_json(session, f"{url}/health"), _get_json(session, f"{dep.nodes_url}/stats")
+            )
+            now = time.perf_counter() - t0
+            healthy = (health or {}).get("nodes", {}).get("healthy", 0) if health else None
+            channels = stats["channels_open"] if stats else None
+            timeline.append((now, healthy, channels))
+            if channels is not None and channels < n:
+                dropped = True
+            if health is not None and health.get("status") == "ok" and up is None:
+                up, first_health, channels_at_first_health = now, health, channels
+            if up is not None and healthy is not None and healthy >= n and healthy_at is None:
+                healthy_at = now
+            if dropped and channels is not None and channels >= n and channels_at is None:
+                channels_at = now
+            if up is not None and dropped and (healthy or 0) >= n and (channels or 0) >= n:
+                whole_at = now
+                break
+            if dep.scheduler.proc.poll() is not None:
+                raise RuntimeError(f"the restarted scheduler exited:\n{dep.scheduler.log_tail()}")
+            await asyncio.sleep(args.restart_poll_s)
+        if whole_at is None:
+            console.print(
+                f"[yellow]  not whole {args.restart_timeout_s:.0f} s after the restart: "
+                f"{timeline[-1] if timeline else None}[/yellow]"
+            )
+        await asyncio.sleep(1.0)
+        health1, stats1 = await asyncio.gather(
+            _get_json(session, f"{url}/health"), _get_json(session, f"{dep.nodes_url}/stats")
+        )
+        stable = bool(
+            health1
+            and stats1
+            and health1.get("nodes", {}).get("healthy", 0) >= n
+            and stats1["channels_open"] >= n
+        )
+        rss_after = rss_bytes(dep.scheduler.proc.pid)
+        # The channels carry calls again: a batch through the restarted scheduler.
+        orch = Orchestrator(url, dep.trainer, dep.pool.pool_id, session)
+        orch.cursor = cursor
+        poller = asyncio.create_task(orch.results_loop())
+        check: dict[str, Any] = {"n": args.restart_check_n}
+        try:
+            ids = [f"restart{k}-{i}" for i in range(args.restart_check_n)]
+            t1 = time.perf_counter()
+            if ids:
+                await orch.submit(
+                    [RolloutSpec(request_id=r, prompt_ids=PROMPT, sampling=SAMPLING) for r in ids]
+                )
+            check_deadline = t1 + args.drain_s
+            while time.perf_counter() < check_deadline and any(r not in orch.released for r in ids):
+                await asyncio.sleep(0.05)
+            check["released"] = sum(r in orch.released for r in ids)
+            check["accepted"] = sum(
+                orch.released[r].status == "accepted" for r in ids if r in orch.released
+            )
+            check["seconds"] = time.perf_counter() - t1
+        finally:
+            await stop_task(poller)
+        after = await loadtest_stats(dep, session)
+    out = {
+        "nodes": n,
+        "old_pid": old_pid,
+        "new_pid": dep.scheduler.proc.pid,
+        "scheduler_up_s": up,
+        "all_channels_open_s": channels_at,
+        "health_all_healthy_s": healthy_at,
+        "recovery_s": whole_at,
+        "whole_and_stable_1s_later": stable,
+        "healthy_at_first_health": None
+        if first_health is None
+        else first_health.get("nodes", {}).get("healthy", 0),
+        "channels_open_at_first_health": channels_at_first_health,
+        "scheduler_rss_after_bytes": rss_after,
+        "check": check,
+        "channel_closes": {
+            code: c - before["channel_closes"].get(code, 0)
+            for code, c in after["channel_closes"].items()
+            if c != before["channel_closes"].get(code, 0)
+        },
+        "channel_opens": after["channel_opens"] - before["channel_opens"],
+        "reregistered": after["reregistered"] - before["reregistered"],
+        "timeline": [[round(t, 3), h, c] for t, h, c in timeline],
+    }
+    console.print(
+        f"  scheduler up {_s(up)}, all {n} channels open {_s(channels_at)}, /health {n} healthy "
+        f"{_s(healthy_at)}: whole again {_s(whole_at)} after the restart's start "
+        f"(first /health said {out['healthy_at_first_health']} healthy with "
+        f"{channels_at_first_health} channels open); check batch: "
+        f"{check.get('accepted')}/{check['n']} accepted"
+    )
+    return out, orch.cursor
+
+
 async def bench(dep: Deployment, args: argparse.Namespace) -> dict[str, Any]:
     pids = {"scheduler": dep.scheduler.proc.pid, "nodes": dep.nodes.proc.pid, "bench": os.getpid()}
     connector = aiohttp.TCPConnector(limit=256)
@@ -733,6 +911,12 @@ async def bench(dep: Deployment, args: argparse.Namespace) -> dict[str, Any]:
             idle["heartbeats"] = await loadtest_stats(dep, session)
             idle["scheduler_health"] = await scheduler_health(orch)
             idle["scheduler_rss_bytes"] = idle["rss_bytes"]["scheduler"]
+            idle["channels_open"] = idle["heartbeats"]["channels_open"]
+            if idle["channels_open"] < args.nodes:
+                console.print(
+                    f"[yellow]only {idle['channels_open']} of {args.nodes} channels open "
+                    "while idle[/yellow]"
+                )
 
             overhead = None
             if args.overhead_n > 0:
@@ -764,9 +948,11 @@ async def bench(dep: Deployment, args: argparse.Namespace) -> dict[str, Any]:
             final_stats = await loadtest_stats(dep, session)
             final_health = await scheduler_health(orch)
         finally:
-            poller.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await poller
+            await stop_task(poller)
+        restarts = []
+        for k in range(args.restarts):
+            figures, orch.cursor = await measure_restart(dep, orch.cursor, args, k)
+            restarts.append(figures)
     return {
         "idle": idle,
         "overhead": overhead,
@@ -774,12 +960,17 @@ async def bench(dep: Deployment, args: argparse.Namespace) -> dict[str, Any]:
         "loadtest_stats_end": final_stats,
         "scheduler_health_end": final_health,
         "results_poll_errors": orch.poll_errors,
+        "restarts": restarts,
     }
 
 
 # --- Reporting -------------------------------------------------------------------------
 def _ms(x: float | None) -> str:
     return "n/a" if x is None else f"{1000 * x:.1f} ms"
+
+
+def _s(x: float | None) -> str:
+    return "n/a" if x is None else f"{x:.2f} s"
 
 
 def _mib(x: int | None) -> str:
@@ -829,8 +1020,34 @@ def summarize(report: dict[str, Any]) -> dict[str, Any]:
     )
     idle_rss = report["idle"]["scheduler_rss_bytes"]
     ov, tv = report["overhead"], report.get("overhead_tiny")
+    restarts = report.get("restarts") or []
+
+    def restart_median(key: str) -> float | None:
+        vals = [r[key] for r in restarts if r[key] is not None]
+        return statistics.median(vals) if vals and len(vals) == len(restarts) else None
+
     return {
         "nodes": report["settings"]["nodes"],
+        "channels_open_idle": report["idle"].get("channels_open"),
+        "restarts": len(restarts),
+        # Median over the restarts; None if any restart never got whole again.
+        "restart_recovery_s": restart_median("recovery_s"),
+        "restart_recovery_max_s": max(
+            (r["recovery_s"] for r in restarts if r["recovery_s"] is not None), default=None
+        ),
+        "restart_scheduler_up_s": restart_median("scheduler_up_s"),
+        "restart_all_channels_open_s": restart_median("all_channels_open_s"),
+        "restart_health_all_healthy_s": restart_median("health_all_healthy_s"),
+        "restart_healthy_at_first_health": [r["healthy_at_first_health"] for r in restarts],
+        "restart_check_accepted": sum(r["check"].get("accepted", 0) for r in restarts),
+        "restart_check_sent": sum(r["check"]["n"] for r in restarts),
+        "restart_ok": bool(restarts)
+        and all(
+            r["recovery_s"] is not None
+            and r["whole_and_stable_1s_later"]
+            and r["check"].get("accepted") == r["check"]["n"]
+            for r in restarts
+        ),
         "best_sustained_rate": best["offered_rate"] if best else None,
         "best_achieved_rate": best["achieved_rate"] if best else None,
         "best_dispatch_p50_s": best["dispatch_p50_s"] if best else None,
@@ -859,6 +1076,29 @@ def summarize(report: dict[str, Any]) -> dict[str, Any]:
         if tv
         else None,
     }
+
+
+def restart_notes(report: dict[str, Any]) -> list[str]:
+    notes = []
+    for i, r in enumerate(report.get("restarts") or []):
+        first, channels = r["healthy_at_first_health"], r["channels_open_at_first_health"]
+        if first and channels is not None and first > channels:
+            notes.append(
+                f"restart {i + 1}: the restarted scheduler's first /health reported {first} "
+                f"healthy nodes while only {channels} channels were open (it reloads the "
+                "nodes' last state from its database without their channels: /health alone "
+                "cannot tell when the pool is whole again, nor may the dispatcher trust it)"
+            )
+        if r["recovery_s"] is None:
+            notes.append(f"restart {i + 1}: the pool was not whole again within the timeout")
+        elif not r["whole_and_stable_1s_later"]:
+            notes.append(f"restart {i + 1}: whole, but no longer 1 s later")
+        if r["check"].get("accepted") != r["check"]["n"]:
+            notes.append(
+                f"restart {i + 1}: only {r['check'].get('accepted')} of {r['check']['n']} "
+                "requests sent after the restart came back accepted"
+            )
+    return notes
 
 
 def print_tables(report: dict[str, Any]) -> None:
@@ -912,13 +1152,28 @@ def print_tables(report: dict[str, Any]) -> None:
         "  at that rate: dispatch p50 / p99": f"{_ms(s['best_dispatch_p50_s'])} / "
         f"{_ms(s['best_dispatch_p99_s'])}",
         "  at that rate: e2e p50 / p99": f"{_ms(s['best_e2e_p50_s'])} / {_ms(s['best_e2e_p99_s'])}",
-        f"scheduler RSS at {s['nodes']} nodes: idle / peak (target < 300 MiB)": f"{_mib(s['scheduler_rss_idle_bytes'])} / {_mib(s['scheduler_rss_peak_bytes'])}"
-        + ("  ok" if s["rss_target_met"] else "  MISSED"),
+        f"scheduler RSS at {s['nodes']} connected nodes: idle / peak (target < 300 MiB)": (
+            f"{_mib(s['scheduler_rss_idle_bytes'])} / {_mib(s['scheduler_rss_peak_bytes'])}"
+            + ("  ok" if s["rss_target_met"] else "  MISSED")
+            + f"  ({s['channels_open_idle']} channels open)"
+        ),
         "idle CPU % (heartbeats only): sched / nodes / bench / others": " / ".join(
             f"{idle['cpu_percent'][k]:.0f}" for k in ("scheduler", "nodes", "bench", "others")
         ),
         "heartbeat latency p50 / p99": f"{_ms(s['heartbeat_p50_s'])} / {_ms(s['heartbeat_p99_s'])}",
     }
+    if s["restarts"]:
+        many = f", median of {s['restarts']}" if s["restarts"] > 1 else ""
+        rows[
+            f"time until all {s['nodes']} nodes are healthy again after kill -9 + restart{many}"
+        ] = _s(s["restart_recovery_s"]) + ("  ok" if s["restart_ok"] else "  PROBLEM (see notes)")
+        rows["  scheduler up / all channels open / /health says all healthy"] = (
+            f"{_s(s['restart_scheduler_up_s'])} / {_s(s['restart_all_channels_open_s'])} / "
+            f"{_s(s['restart_health_all_healthy_s'])}"
+        )
+        rows["  requests through the restarted scheduler: accepted / sent"] = (
+            f"{s['restart_check_accepted']} / {s['restart_check_sent']}"
+        )
     cap = s["cpu_per_request"]
     if cap:
         rows["CPU ms per request: sched / nodes / bench (over idle)"] = " / ".join(
@@ -965,7 +1220,8 @@ def plot(report: dict[str, Any], path: Path) -> None:
     def ms(key: str) -> list[float]:
         return [float("nan") if s[key] is None else 1000 * s[key] for s in steps]
 
-    fig, ax = plt.subplots(1, 3, figsize=(16, 4.8))
+    restarts = report.get("restarts") or []
+    fig, ax = plt.subplots(1, 4 if restarts else 3, figsize=(21 if restarts else 16, 4.8))
     a = ax[0]
     a.plot(x, ms("e2e_p50_s"), "o-", label="end-to-end p50 (client)")
     a.plot(x, ms("e2e_p99_s"), "o--", label="end-to-end p99 (client)")
@@ -987,8 +1243,28 @@ def plot(report: dict[str, Any], path: Path) -> None:
         a.plot(x, [s["resources"]["cpu_percent"][k] for s in steps], "o-", label=k)
     a.axhline(100 * (os.cpu_count() or 2), color="gray", lw=0.8, ls=":", label="all cores")
     a.set_title("CPU % per process (100% = one core)")
-    for a in ax:
+    for a in ax[:3]:
         a.set_xlabel("offered requests/s")
+    if restarts:
+        a = ax[3]
+        for i, r in enumerate(restarts):
+            t = [p[0] for p in r["timeline"]]
+            a.step(
+                t, [p[1] for p in r["timeline"]], where="post", label=f"/health healthy #{i + 1}"
+            )
+            a.step(
+                t,
+                [p[2] for p in r["timeline"]],
+                "--",
+                where="post",
+                label=f"channels open #{i + 1}",
+            )
+            if r["recovery_s"] is not None:
+                a.axvline(r["recovery_s"], color="gray", lw=0.8, ls=":")
+        a.set_title("after kill -9 + restart of the scheduler")
+        a.set_xlabel("seconds since the restart's start")
+        a.set_ylabel("nodes")
+    for a in ax:
         a.grid(alpha=0.3)
         a.legend(fontsize=8)
     s, st = report["summary"], report["settings"]
@@ -997,7 +1273,8 @@ def plot(report: dict[str, Any], path: Path) -> None:
         f"scheduler bench: {st['nodes']} load-test nodes on {report['env']['device_name']}; "
         f"best sustained rate with p99 < 50 ms: {'none' if best is None else f'{best:.0f}/s'}; "
         f"scheduler RSS idle {_mib(s['scheduler_rss_idle_bytes'])}, peak "
-        f"{_mib(s['scheduler_rss_peak_bytes'])}",
+        f"{_mib(s['scheduler_rss_peak_bytes'])}"
+        + (f"; whole again {_s(s['restart_recovery_s'])} after a restart" if restarts else ""),
         fontsize=10,
     )
     fig.tight_layout()
@@ -1020,6 +1297,21 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     add("--idle-s", type=float, help="idle window (default: one heartbeat period; --quick 3)")
     add("--batch-ms", type=float, default=20.0, help="submit a batch this often")
     add("--heartbeat-s", type=float, default=10.0, help="node heartbeat period")
+    add(
+        "--channel-ping-s",
+        type=float,
+        default=5.0,
+        help="WebSocket ping period of the node channels, both ends (the defaults of "
+        "scheduler channel.ping_interval_s and node channel.ping_interval_s)",
+    )
+    add("--restarts", type=int, default=1, help="scheduler kill -9 + restarts to time (0: none)")
+    add("--restart-timeout-s", type=float, default=120.0, help="give a restart this long")
+    add("--restart-poll-s", type=float, default=0.05, help="poll /health this often meanwhile")
+    add(
+        "--restart-check-n",
+        type=int,
+        help="requests sent through the restarted scheduler (default 100; --quick 20)",
+    )
     add("--overhead-n", type=int, help="sequential requests per path (default 100; --quick 10)")
     add("--tiny-n", type=int, help="the same with two tiny-model nodes (default 30; --quick 0)")
     add("--give-up-p99-s", type=float, default=10.0, help="stop the steps past this p99")
@@ -1041,11 +1333,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args.idle_s = args.idle_s if args.idle_s is not None else (3.0 if q else args.heartbeat_s)
     args.overhead_n = args.overhead_n if args.overhead_n is not None else (10 if q else 100)
     args.tiny_n = args.tiny_n if args.tiny_n is not None else (0 if q else 30)
+    args.restart_check_n = (
+        args.restart_check_n if args.restart_check_n is not None else (20 if q else 100)
+    )
     if q:
         args.drain_s = min(args.drain_s, 5.0)
         args.pause_s = min(args.pause_s, 0.5)
     if args.nodes < 2 or not args.rates or min(args.rates) <= 0:
         ap.error("need at least 2 nodes and positive rates")
+    if args.restarts < 0 or args.channel_ping_s <= 0:
+        ap.error("--restarts must be >= 0 and --channel-ping-s positive")
     args.out = Path(args.out) if args.out else RESULTS_DIR / "scheduler_cpu"
     return args
 
@@ -1102,6 +1399,7 @@ def main(argv: list[str] | None = None) -> int:
             "rates are lower than on an idle box (see cpu_percent.others per step)"
         )
     args.out.parent.mkdir(parents=True, exist_ok=True)
+    raise_fd_limit()
     workdir = Path(tempfile.mkdtemp(prefix="bench-scheduler-"))
     t_start = time.perf_counter()
     try:
@@ -1126,7 +1424,7 @@ def main(argv: list[str] | None = None) -> int:
             shutil.rmtree(workdir, ignore_errors=True)
     report: dict[str, Any] = {
         "bench": "scheduler",
-        "schema": 1,
+        "schema": 2,
         "timestamp": _dt.datetime.now(_dt.UTC).isoformat(timespec="seconds"),
         "argv": sys.argv,
         "env": env_info(load_start, busy_start),
@@ -1141,6 +1439,7 @@ def main(argv: list[str] | None = None) -> int:
             "engine": "loadtest (instant, verifies nothing)",
             "rate_limits": "loopback exempt per address (the trainer key is never limited)",
             "database": "sqlite+aiosqlite (file in a temp folder)",
+            "node_calls": "over each node's channel (WebSocket it opened to the scheduler)",
         },
         **body,
         "wall_s": time.perf_counter() - t_start,
@@ -1150,6 +1449,7 @@ def main(argv: list[str] | None = None) -> int:
         report["workdir"] = str(workdir)
     add_cpu_per_request(report)
     report["summary"] = summarize(report)
+    report["notes"] += restart_notes(report)
     json_path, png_path = args.out.with_suffix(".json"), args.out.with_suffix(".png")
     json_path.write_text(json.dumps(report, indent=2) + "\n")
     print_tables(report)

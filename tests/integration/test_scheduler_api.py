@@ -7,6 +7,7 @@ sent over HTTP. Node registrations here point at URLs nobody serves (no work is 
 from __future__ import annotations
 
 import base64
+import time
 
 import httpx
 import msgpack
@@ -25,21 +26,21 @@ from protocol.messages import (
     SubmitRollouts,
     WeightUpdate,
 )
-from scheduler.pool import make_invite
+from scheduler.pool import make_api_key, make_invite
 from tests.pools import make_pool
 
 MSGPACK = {"Content-Type": "application/msgpack"}
 
 
-def post(url: str, body: bytes | str, json_ct: bool = False) -> httpx.Response:
+def post(url: str, body: bytes | str, json_ct: bool = False, key: str = "") -> httpx.Response:
     headers = {"Content-Type": "application/json"} if json_ct else MSGPACK
+    if key:
+        headers["Authorization"] = f"Bearer {key}"
     return httpx.post(url, content=body, headers=headers, timeout=10)
 
 
 def registration(identity: Identity, pool_id: str = "test", invite: bytes = b"") -> bytes:
-    req = RegisterRequest(
-        pool_id=pool_id, http_url="http://127.0.0.1:9/unused", model="tiny", invite=invite
-    )
+    req = RegisterRequest(pool_id=pool_id, model="tiny", invite=invite)
     return seal(identity, req)
 
 
@@ -143,6 +144,8 @@ def test_bad_input_on_every_route_gets_4xx_and_daemon_keeps_serving(invite_pool)
     pool = invite_pool
     u = pool.url
     stranger = Identity.generate()
+    key = pool.api_key()
+    foreign_key = make_api_key(stranger, pool.pool_id, "stranger", 60, 1, 1)
     spec = RolloutSpec(request_id="x", prompt_ids=[1, 2])
     cases: list[tuple[str, httpx.Response, int]] = [
         ("register garbage", post(f"{u}/v1/nodes/register", b"\x00\x01garbage"), 400),
@@ -154,12 +157,10 @@ def test_bad_input_on_every_route_gets_4xx_and_daemon_keeps_serving(invite_pool)
             400,
         ),
         (
-            "register bad url",
+            "register bad capacity",
             post(
                 f"{u}/v1/nodes/register",
-                _raw_envelope(
-                    stranger, "RegisterRequest", {"pool_id": "test", "http_url": "ftp://x"}
-                ),
+                _raw_envelope(stranger, "RegisterRequest", {"pool_id": "test", "capacity": 0}),
             ),
             400,
         ),
@@ -232,15 +233,43 @@ def test_bad_input_on_every_route_gets_4xx_and_daemon_keeps_serving(invite_pool)
             403,
         ),
         ("oversized body", post(f"{u}/v1/nodes/register", b"\x00" * 100_000), 413),
-        ("chat malformed json", post(f"{u}/v1/chat/completions", "{not json", True), 400),
-        ("chat not an object", post(f"{u}/v1/chat/completions", "[1, 2]", True), 400),
+        ("chat without a key", post(f"{u}/v1/chat/completions", "{}", True), 401),
+        ("chat with a made-up key", post(f"{u}/v1/chat/completions", "{}", True, "sk-x"), 401),
+        (
+            "chat with another pool's key",
+            post(f"{u}/v1/chat/completions", "{}", True, foreign_key),
+            401,
+        ),
+        ("chat malformed json", post(f"{u}/v1/chat/completions", "{not json", True, key), 400),
+        ("chat not an object", post(f"{u}/v1/chat/completions", "[1, 2]", True, key), 400),
         (
             "chat bad min_version",
-            post(f"{u}/v1/chat/completions", '{"messages": [], "min_version": "x"}', True),
+            post(f"{u}/v1/chat/completions", '{"messages": [], "min_version": "x"}', True, key),
             400,
         ),
-        ("completions no node", post(f"{u}/v1/completions", '{"prompt": "hi"}', True), 503),
-        ("tokenize malformed", post(f"{u}/tokenize", "nope", True), 400),
+        (
+            "chat with tools",
+            post(
+                f"{u}/v1/chat/completions",
+                '{"messages": [{"role": "user", "content": "hi"}], "tools": [{}]}',
+                True,
+                key,
+            ),
+            400,
+        ),
+        (
+            "chat top_p out of range",
+            post(
+                f"{u}/v1/chat/completions",
+                '{"messages": [{"role": "user", "content": "hi"}], "top_p": 1.5}',
+                True,
+                key,
+            ),
+            400,
+        ),
+        ("completions no node", post(f"{u}/v1/completions", '{"prompt": "hi"}', True, key), 503),
+        ("tokenize malformed", post(f"{u}/tokenize", "nope", True, key), 400),
+        ("tokenize no messages", post(f"{u}/tokenize", '{"messages": []}', True, key), 400),
         ("unknown route", httpx.get(f"{u}/v1/nothing-here", timeout=10), 404),
     ]
     for name, resp, status in cases:
@@ -289,5 +318,45 @@ def test_saturated_pool_answers_503_with_retry_after(tmp_path):
         assert refused.headers["Retry-After"] == "1"
         assert "saturated" in error_of(refused) and "4 requests queued" in error_of(refused)
         assert pool.health()["queued"] == 4
+    finally:
+        pool.close()
+
+
+def test_a_node_whose_url_never_answers_gets_no_work_however_it_heartbeats(tmp_path):
+    """Open admission takes anyone, but a node is healthy only once the scheduler reached
+    the URL it registered: heartbeats prove it can call out, not that it can be called."""
+    pool = make_pool(tmp_path)
+    try:
+        pool.start_scheduler("--lifecycle.heartbeat-interval-s", "0.5")
+        ghost = Identity.generate()
+        assert post(f"{pool.url}/v1/nodes/register", registration(ghost)).status_code == 200
+        for _ in range(8):
+            hb = post(
+                f"{pool.url}/v1/nodes/heartbeat",
+                seal(ghost, Heartbeat(node_id=ghost.node_id, weights_version=0)),
+            )
+            assert hb.status_code == 200
+            time.sleep(0.3)
+        assert pool.health()["nodes"] == {"registered": 1}
+        pool.join("w0")  # a real node at a real URL turns healthy
+        assert pool.health()["nodes"] == {"registered": 1, "healthy": 1}
+    finally:
+        pool.close()
+
+
+def test_a_node_of_an_engine_mix_the_thresholds_do_not_cover_is_refused(tmp_path):
+    """The pool's thresholds were calibrated for torch/float32/cpu: a registration that
+    says it generates in bf16 is refused, with what to do; a covered one is admitted."""
+    pool = make_pool(tmp_path)
+    try:
+        pool.start_scheduler()
+        node = Identity.generate()
+        req = RegisterRequest(pool_id="test", model="tiny", dtype="bfloat16")
+        resp = post(f"{pool.url}/v1/nodes/register", seal(node, req))
+        assert resp.status_code == 403
+        assert "calibrated for torch/float32/cpu, not torch/bfloat16/cpu" in error_of(resp)
+        assert "prime-node calibrate" in error_of(resp)
+        ok = post(f"{pool.url}/v1/nodes/register", registration(node))
+        assert ok.status_code == 200
     finally:
         pool.close()

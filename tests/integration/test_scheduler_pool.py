@@ -102,14 +102,14 @@ def check_audit_records(pool: Pool, expected: int) -> Counter:
     return lost
 
 
-async def run_verifiers_env(url: str) -> set[str]:
+async def run_verifiers_env(url: str, api_key: str) -> set[str]:
     """Six single-turn episodes through the scheduler; returns the rollout id of each turn."""
     import os
 
     import verifiers as vf
     from datasets import Dataset
 
-    os.environ["PRIME_TEST_API_KEY"] = "unused"
+    os.environ["PRIME_TEST_API_KEY"] = api_key
     ds = Dataset.from_list([{"question": q, "answer": q[::-1]} for q in ("abc", "swarm", "node")])
     env = vf.SingleTurnEnv(dataset=ds, rubric=vf.Rubric(funcs=[lambda completion, **_: 1.0]))
     out = await env.evaluate(
@@ -136,6 +136,10 @@ async def run_verifiers_env(url: str) -> set[str]:
     return ids
 
 
+def a_order(answers, result) -> int:
+    return [a.model_extra["rollout_id"] for a in answers].index(result.request_id)
+
+
 @pytest.fixture
 def pool(tmp_path):
     p = make_pool(tmp_path)
@@ -160,22 +164,26 @@ async def test_three_workers_serve_200_requests_verified_exactly_once(pool: Pool
         late = await client.results(results[-1].seq, wait_s=1.0)
         assert late.results == []
 
-        # The OpenAI-compatible endpoint: answered at once, verified behind the answer.
-        oai = openai.AsyncOpenAI(base_url=f"{pool.url}/v1", api_key="unused")
+        # The OpenAI-compatible endpoint: answered once verified, from the signed rollout.
+        oai = openai.AsyncOpenAI(base_url=f"{pool.url}/v1", api_key=pool.api_key())
         answers = [
             await oai.completions.create(model="tiny", prompt="hello", max_tokens=8, seed=123)
             for _ in range(3)
         ]
         rollout_ids = {a.model_extra["rollout_id"] for a in answers}
         assert len(rollout_ids) == 3  # the scheduler chose the seeds, not the client
+        assert {a.model_extra["seed_chosen_by"] for a in answers} == {"scheduler"}
         more = await collect(client, 3, 60, after=results[-1].seq)
         assert {r.request_id for r in more} == rollout_ids
         assert {(r.source, r.status) for r in more} == {("openai", "accepted")}
+        for a, r in zip(answers, sorted(more, key=lambda r: a_order(answers, r)), strict=True):
+            signed = open_envelope(r.rollout_envelope, Rollout, check_expiry=False).message
+            assert a.choices[0].model_extra["token_ids"] == signed.completion_ids
         await oai.close()
 
         # A verifiers environment pointed at the scheduler: every turn's response id names
         # the rollout whose verdict then arrives in the stream.
-        turn_ids = await run_verifiers_env(pool.url)
+        turn_ids = await run_verifiers_env(pool.url, pool.api_key())
         verdicts = await collect(client, len(turn_ids), 60, after=more[-1].seq)
         assert {r.request_id for r in verdicts} == turn_ids
         assert {r.status for r in verdicts} == {"accepted"}

@@ -221,13 +221,35 @@ def _json_cases():
         ("json array", b"[1, 2]", 400),
         ("wrong types", json.dumps({"messages": "hi", "temperature": "hot"}).encode(), 400),
         (
-            "n > 1",
-            json.dumps({"messages": [{"role": "user", "content": "a"}], "n": 2}).encode(),
+            "n too large",
+            json.dumps({"messages": [{"role": "user", "content": "a"}], "n": 17}).encode(),
             400,
         ),
         (
-            "streaming",
-            json.dumps({"messages": [{"role": "user", "content": "a"}], "stream": True}).encode(),
+            "tools (not supported)",
+            json.dumps({"messages": [{"role": "user", "content": "a"}], "tools": [{}]}).encode(),
+            400,
+        ),
+        (
+            "response_format (not supported)",
+            json.dumps(
+                {"messages": [{"role": "user", "content": "a"}], "response_format": {}}
+            ).encode(),
+            400,
+        ),
+        (
+            "top_p out of range",
+            json.dumps({"messages": [{"role": "user", "content": "a"}], "top_p": 0}).encode(),
+            400,
+        ),
+        (
+            "top_k over 2**64",
+            json.dumps({"messages": [{"role": "user", "content": "a"}], "top_k": 2**65}).encode(),
+            400,
+        ),
+        (
+            "no messages",
+            json.dumps({"messages": []}).encode(),
             400,
         ),
         (
@@ -316,9 +338,11 @@ def test_bad_input_on_every_route_gets_clear_4xx_and_node_keeps_serving(node, cl
     assert not failures, failures
     # Still serving, and the OpenAI client sees a proper error object.
     assert n.alive() and n.health()["status"] == "ok"
-    with pytest.raises(BadRequestError, match="only n = 1"):
+    with pytest.raises(BadRequestError, match="'response_format' is not supported"):
         client.chat.completions.create(
-            model="tiny", messages=[{"role": "user", "content": "a"}], n=2
+            model="tiny",
+            messages=[{"role": "user", "content": "a"}],
+            response_format={"type": "json_object"},
         )
     resp = client.chat.completions.create(
         model="tiny", messages=[{"role": "user", "content": "a"}], max_tokens=3
@@ -326,3 +350,43 @@ def test_bad_input_on_every_route_gets_clear_4xx_and_node_keeps_serving(node, cl
     assert resp.usage.completion_tokens <= 3
     time.sleep(0.1)
     assert "-> 4" in n.log_path.read_text()  # every refusal left a log line
+
+
+def test_the_openai_client_streams_and_gets_several_choices(node, client):
+    """`stream=True` gives OpenAI's server-sent chunks, which add up to the same answer as
+    the unstreamed call with that seed; `n` gives n rollouts, each signed and fetchable."""
+    n, _, _ = node
+    ask = dict(
+        model="tiny",
+        messages=[{"role": "user", "content": "stream me"}],
+        max_tokens=12,
+        seed=7,
+        logprobs=True,
+        extra_body={"ignore_eos": True},
+    )
+    whole = client.chat.completions.create(**ask)
+    chunks = list(
+        client.chat.completions.create(**ask, stream=True, stream_options={"include_usage": True})
+    )
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == whole.choices[0].message.content
+    ids = [t for c in chunks if c.choices for t in c.choices[0].model_extra["token_ids"]]
+    assert ids == whole.choices[0].model_extra["token_ids"]
+    lps = [e.logprob for c in chunks if c.choices for e in c.choices[0].logprobs.content]
+    assert lps == [e.logprob for e in whole.choices[0].logprobs.content]
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
+    assert chunks[-1].usage.completion_tokens == 12
+    several = client.chat.completions.create(**(ask | {"seed": 9}), n=3)
+    assert [c.index for c in several.choices] == [0, 1, 2]
+    rids = [c.model_extra["rollout_id"] for c in several.choices]
+    assert len(set(rids)) == 3
+    for c, rid in zip(several.choices, rids, strict=True):
+        raw = httpx.get(f"{n.url}/v1/rollouts/{rid}").content
+        signed = open_envelope(raw, Rollout, check_expiry=False).message
+        assert signed.completion_ids == c.model_extra["token_ids"]
+    # A request id this node already holds a signed rollout for is refused, not replaced.
+    r = httpx.post(
+        f"{n.url}/v1/chat/completions",
+        json={"messages": [{"role": "user", "content": "x"}], "request_id": rids[0]},
+    )
+    assert r.status_code == 409 and "used before" in r.json()["error"]["message"]

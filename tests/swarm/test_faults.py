@@ -6,12 +6,15 @@ weight transport at async_level 2), breaks something while it trains, and then a
 what the run left behind (tests/swarm/harness.py): training went on to the last step,
 no rollout of a dishonest generator reached the trainer, every dishonest node was
 banned and no honest one, every request got exactly one result, and no trained sample
-was staler than async_level.
+was staler than async_level, and every trained sample is exactly its signed rollout
+(prompt and completion ids, mu logprobs, the scored text decoded on the trusted side).
 """
 
 from __future__ import annotations
 
+import json
 import random
+import re
 import sqlite3
 import time
 
@@ -129,8 +132,8 @@ VERIFIER_CHEATS = ["reject-all", "accept-all"]
 
 def test_one_dishonest_node_of_each_kind_among_honest_ones(fault_run, report, monkeypatch):
     """Four honest workers and one node of every dishonest kind of tests/adversaries.py
-    (every generator cheat, both verifier cheats, a peer serving corrupted weight pieces,
-    a node that goes silent mid-request) in one pool that audits every accept
+    but the liars in what clients read (next test) (every generator cheat, both verifier
+    cheats, a peer serving corrupted weight pieces, a node that goes silent mid-request) in one pool that audits every accept
     (audit_rate 1: one lying verifier cannot let a cheat through). Training goes on;
     every cheating generator and the reject-all verifier are banned; nothing of theirs
     is trained on; accept-all loses reputation for every cheat it vouched for; the silent
@@ -146,7 +149,7 @@ def test_one_dishonest_node_of_each_kind_among_honest_ones(fault_run, report, mo
         kinds,
         "--lifecycle.swarm-announce-interval-s", "2",
         "--dispatch.generate-timeout-s", "10",
-        "--dispatch.openai-timeout-s", "10",
+        "--dispatch.openai-timeout-s", "40",
     )  # fmt: skip
     run.start_training()
     run.wait_finished()
@@ -187,3 +190,101 @@ def test_one_dishonest_node_of_each_kind_among_honest_ones(fault_run, report, mo
             **counts,
         },
     )
+
+
+LIARS = {
+    # kind: what it may be banned for (tests/adversaries.py: the check each lie meets)
+    "lying-json": ("contradicts its request: prompt", "rejected by two verifiers"),
+    "other-prompt": ("contradicts its request: prompt", "rejected by two verifiers"),
+    "truncating": ("contradicts its request: sampling", "rejected by two verifiers"),
+}
+
+
+def test_liars_in_what_clients_read_among_honest_ones(fault_run, report):
+    """Four honest workers and the three liars in what a client reads, each signing its
+    lies (tests/adversaries.py: `lying-json`: made-up logprobs, another prompt's ids, ids
+    of another text; `other-prompt`: generated after an injected system prompt;
+    `truncating`: cut to half, with a rewritten max_tokens or a false finish reason),
+    while the orchestrator trains through the scheduler's OpenAI front. Training goes on;
+    each liar is banned for a lie its check caught; nothing of theirs is trained on; every
+    trained sample is its signed rollout (the audit), and the orchestrator never had to
+    drop a turn whose ids or text differed from it."""
+    run = fault_run(6)
+    kinds: dict[str, str | None] = {f"h{i}": None for i in range(4)} | {k: k for k in LIARS}
+    run.start_pool(kinds)
+    run.start_training()
+    run.wait_finished()
+    counts = run.audit(cheat_generators=set(LIARS))
+    assert counts["dropped_mismatch"] == 0, counts
+    assert counts["signed_samples"] == counts["trained_samples"]
+    lies: dict[str, dict[str, int]] = {}
+    with sqlite3.connect(run.pool.workdir / "scheduler.db") as db:
+        for kind, why in LIARS.items():
+            node = run.pool.node_id(kind)
+            (reason,) = db.execute("SELECT reason FROM nodes WHERE node_id = ?", (node,)).fetchone()
+            assert any(w in reason for w in why), (kind, reason)
+            rejected = db.execute(
+                "SELECT count(DISTINCT rollout_envelope) FROM verdicts"
+                " WHERE generator_id = ? AND NOT accepted",
+                (node,),
+            ).fetchone()[0]
+            vouched = db.execute(
+                "SELECT count(*) FROM verdicts WHERE generator_id = ? AND accepted", (node,)
+            ).fetchone()[0]
+            assert vouched == 0, (kind, vouched)
+            lies[kind] = {"rejected_by_verifiers": rejected}
+    lines = (run.pool.workdir / "scheduler.log").read_text().splitlines()
+    for kind in LIARS:
+        lies[kind]["caught_by_scheduler"] = sum(
+            f"{kind} loses reputation" in line and "contradicts its request" in line
+            for line in lines
+        )
+    report(
+        "swarm liars in what clients read during training (4 honest, 3 liars, 6 steps)",
+        {"lies caught": lies, **counts},
+    )
+
+
+def test_rl_with_delta_weights_trains_as_before(fault_run, report):
+    """bf16 publishing at an RL-sized learning rate (1e-5): most steps ship as deltas, the
+    workers rebuild each version from the one before and check it against its signed
+    full manifest; the trainer is killed mid-run and resumed, and the chain of deltas
+    goes on from the versions on disk; the run passes the same audit as every fault test."""
+    run = fault_run(
+        10, "--weights.dtype", "bfloat16", "--trainer.optim.lr", "1e-5", "--ckpt.interval", "2",
+        "--weights.keyframe-interval", "10",
+    )  # fmt: skip
+    run.start_pool({f"w{i}": None for i in range(4)})
+    run.start_training()
+    run.wait_step(4)
+    killed_at = run.trained_steps()
+    run.kill_trainer()
+    run.start_training("--ckpt.resume")
+    run.wait_finished()
+    counts = run.audit()
+    published = {
+        p["step"]: p  # a step redone after the resume is written again: the last one counts
+        for p in map(json.loads, (run.run / "weights" / "published.jsonl").read_text().splitlines())
+    }
+    ratios = {
+        n: p["delta_bytes"] / p["full_bytes"] for n, p in published.items() if p["delta_bytes"]
+    }
+    rebuilt = {
+        name: len(
+            re.findall(r"fetched through deltas", (run.pool.workdir / f"{name}.log").read_text())
+        )
+        for name in run.kinds
+    }
+    report(
+        "swarm RL with delta weights (4 workers, 10 steps, bf16, lr 1e-5, trainer kill -9 + resume)",
+        {
+            **counts,
+            "killed_after_step": killed_at,
+            "delta_over_full": {n: round(r, 3) for n, r in sorted(ratios.items())},
+            "rebuilt": rebuilt,
+        },
+    )
+    # Step 0 has no base and step 10 is a keyframe (`--weights.keyframe-interval 10`): full only.
+    assert set(range(1, 10)) <= set(ratios) and 10 not in ratios, published
+    assert max(ratios.values()) < 0.5, ratios
+    assert all(n >= 3 for n in rebuilt.values()), rebuilt

@@ -30,6 +30,7 @@ from protocol.swarm.config import SwarmConfig
 from protocol.swarm.manifest import sign_manifest
 from protocol.swarm.tracker import TrackerClient
 from tests.pools import make_pool
+from trainer.config import WeightsConfig
 from trainer.weights import MARKER, SwarmTransport
 from verifier.models import load_tokenizer, resolve_model
 
@@ -60,9 +61,12 @@ def test_eight_capped_workers_fetch_check_and_load_a_new_policy(tmp_path: Path) 
     cap = ["--weights.peer.upload_rate", str(RATE)]
     transport = SwarmTransport(
         tmp_path / "run",
-        keep_last=3,
-        cfg=SwarmConfig(upload_rate=RATE, piece_size=64 * KiB),
-        trainer_key=pool.workdir / "trainer.key",
+        WeightsConfig(
+            transport="swarm",
+            keep_last=3,
+            swarm=SwarmConfig(upload_rate=RATE, piece_size=64 * KiB),
+            trainer_key=pool.workdir / "trainer.key",
+        ),
     )
     try:
         pool.start_scheduler("--lifecycle.swarm_announce_interval_s", "2")

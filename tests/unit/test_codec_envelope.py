@@ -543,3 +543,45 @@ def test_open_envelope_uses_cache_across_clock(alice):
     clock.now += 20  # expired: refused as expired
     with pytest.raises(EnvelopeError, match="expired"):
         open_envelope(data, RolloutRequest, replay_cache=cache, clock=clock)
+
+
+# -- node channel frames (protocol.channel) ------------------------------------------------
+def test_channel_frames_round_trip_and_refuse_what_is_not_one():
+    from protocol.channel import (
+        answer_frame,
+        call_frame,
+        challenge_frame,
+        read_answer,
+        read_call,
+        read_challenge,
+        ws_url,
+    )
+
+    assert read_call(call_frame(7, "/v1/verify", b"x"), 1024) == (7, "/v1/verify", b"x")
+    assert read_answer(answer_frame(7, 200, b"ok"), 1024) == (7, 200, b"ok")
+    assert read_challenge(challenge_frame(b"c" * 32), 1024) == b"c" * 32
+    assert ws_url("https://s.example:7000/") == "wss://s.example:7000/v1/nodes/connect"
+    assert ws_url("http://127.0.0.1:7000") == "ws://127.0.0.1:7000/v1/nodes/connect"
+    bad_calls = [
+        call_frame(1, "http://elsewhere/v1/verify", b""),  # not a path of the node's API
+        call_frame(1, "//elsewhere/x", b""),
+        call_frame(1, "/v1/../admin", b""),
+        call_frame(1, "/v1/verify?x=1", b""),
+        pack({"id": True, "route": "/v1/verify", "body": b""}),  # a bool is no id
+        pack({"id": 1, "route": "/v1/verify"}),  # a key missing
+        pack(
+            {
+                "id": 1,
+                "route": "/v1/verify",
+                "body": "text",
+            }
+        ),
+        b"\xc1",  # not msgpack
+    ]
+    for frame in bad_calls:
+        with pytest.raises(CodecError):
+            read_call(frame, 1024)
+    with pytest.raises(CodecError):
+        read_challenge(challenge_frame(b"short"), 1024)
+    with pytest.raises(CodecError, match="exceeds the cap"):
+        read_answer(answer_frame(1, 200, b"x" * 2048), 1024)

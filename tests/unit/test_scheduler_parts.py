@@ -22,28 +22,22 @@ from scheduler.config import PoolCreateConfig, SchedulerConfig
 from scheduler.pool import PoolError, check_invite, make_invite, open_pool, sign_pool
 from scheduler.ratelimit import RateLimited, RateLimiter
 from scheduler.registry import NodeRecord, Registry
-from tests.pools import postgres_database
+from tests.pools import TINY_THRESHOLDS, node_record, postgres_database
 
 
 def node(i: int, **kw) -> NodeRecord:
-    fields = dict(
-        node_id=f"n{i}",
-        public_key=bytes(32),
-        operator=f"op{i}",
-        http_url=f"http://127.0.0.1:{9000 + i}",
-        address="127.0.0.1",
-        engine="torch",
-        model="tiny",
-        capacity=4,
-        state="healthy",
-        reputation=1.0,
-        weights_version=3,
-        weights_hash="h",
-        registered_at=0.0,
-        last_seen=0.0,
-    )
-    fields.update(kw)
-    return NodeRecord(**fields)
+    return node_record(i, **kw)
+
+
+def test_a_node_without_an_open_channel_does_not_turn_healthy_by_heartbeating():
+    reg = Registry(ReputationPolicy())
+    n = node(1, state="registered", connected=False)
+    reg.add(n)
+    reg.seen(n)
+    assert n.state == "registered"  # heartbeats prove it is alive, not that calls reach it
+    n.connected = True  # it opened its channel (a hello signed by its key)
+    reg.seen(n)
+    assert n.state == "healthy"
 
 
 @pytest.fixture(params=["sqlite", "postgresql"])
@@ -216,6 +210,7 @@ def test_configs_fail_fast_with_clear_messages(tmp_path):
         )
     with pytest.raises(ConfigError, match="Extra inputs"):
         load_config(SchedulerConfig, ["--pool-file", str(pool_file), "--no-such-key", "1"])
+    thresholds = ["@", str(TINY_THRESHOLDS)]
     with pytest.raises(ConfigError, match="needs admission.allowlist"):
         load_config(
             PoolCreateConfig,
@@ -226,12 +221,16 @@ def test_configs_fail_fast_with_clear_messages(tmp_path):
                 Identity.generate().node_id,
                 "--admission.mode",
                 "allowlist",
+                *thresholds,
             ],
         )
     with pytest.raises(ConfigError, match="trainer must be a node id"):
-        load_config(PoolCreateConfig, ["--pool-id", "p", "--trainer", "not-a-key"])
+        load_config(PoolCreateConfig, ["--pool-id", "p", "--trainer", "not-a-key", *thresholds])
+    # Thresholds that do not say which engine mix they hold for make no pool.
+    with pytest.raises(ConfigError, match="state no engine mix"):
+        load_config(PoolCreateConfig, ["--pool-id", "p", "--trainer", Identity.generate().node_id])
     # `pool create` takes the audit rate like every verification field, checked in 0..1.
-    pool_args = ["--pool-id", "p", "--trainer", Identity.generate().node_id]
+    pool_args = ["--pool-id", "p", "--trainer", Identity.generate().node_id, *thresholds]
     cfg = load_config(PoolCreateConfig, [*pool_args, "--verification.audit_rate", "0.25"])
     assert cfg.verification.audit_rate == 0.25
     with pytest.raises(ConfigError, match="audit_rate"):
@@ -300,8 +299,10 @@ def test_probation_limits_a_new_node_until_its_rollouts_are_accepted():
 
 def _dispatcher(tmp_path, audit_rate: float = 1.0):
     """A `Dispatcher` that is never started: `_judge` and the release side are scripted."""
+    from protocol.envelope import ReplayCache
     from protocol.messages import VerificationPolicy
-    from scheduler.config import DispatchConfig
+    from scheduler.channel import NodeChannels
+    from scheduler.config import ChannelConfig, DispatchConfig
     from scheduler.dispatch import Dispatcher
     from scheduler.metrics import SchedulerMetrics
 
@@ -315,8 +316,18 @@ def _dispatcher(tmp_path, audit_rate: float = 1.0):
     engine = db.create_engine(f"sqlite+aiosqlite:///{tmp_path / 'd.db'}")
     registry = Registry(ReputationPolicy(), probation=0)
     writer = db.Writer(engine, 0.01)
+    channels = NodeChannels(
+        registry, "p", ChannelConfig(), ReplayCache(), lambda n: None, lambda n: None
+    )
     d = Dispatcher(
-        pool, Identity.generate(), registry, engine, writer, DispatchConfig(), SchedulerMetrics()
+        pool,
+        Identity.generate(),
+        registry,
+        engine,
+        writer,
+        DispatchConfig(),
+        SchedulerMetrics(),
+        channels,
     )
     d.released, d.requeued, d.asked = [], [], []
 
@@ -331,7 +342,7 @@ def _dispatcher(tmp_path, audit_rate: float = 1.0):
 
 def _script(d, registry, verdicts: list[bool]):
     """`_judge` answers from `verdicts` in turn, each from a new node (v1, v2, ...)."""
-    from scheduler.dispatch import Judged
+    from scheduler.jobs import Judged
 
     answers = iter(verdicts)
 
@@ -349,7 +360,7 @@ def _script(d, registry, verdicts: list[bool]):
 
 def _job(source: str = "dispatch"):
     from protocol.messages import RolloutSpec, SamplingParams
-    from scheduler.dispatch import Job
+    from scheduler.jobs import Job
 
     spec = RolloutSpec(request_id="r", prompt_ids=[1, 2], sampling=SamplingParams())
     return Job("r", source, spec, 1, 0.0)
@@ -370,12 +381,12 @@ async def test_audit_catches_a_verifier_that_accepted_a_bad_rollout(tmp_path):
     assert auditor.reputation == judge.reputation == 1.0
     assert d.released == [] and d.requeued and "two of three" in d.requeued[0]
     assert "n0" in job.tried
-    # The same through the OpenAI endpoint: released as rejected, with all three verdicts.
+    # The same through the OpenAI endpoint: one path, so generated again elsewhere too.
     d.requeued.clear()
     d.jobs["r"] = job = _job("openai")
     _script(d, registry, [True, False, False])
     await d._verify_and_release(job, gen, None, b"raw", None)
-    assert [s for s, _ in d.released] == ["rejected"] and len(d.released[0][1]) == 3
+    assert d.released == [] and d.requeued and "two of three" in d.requeued[0]
 
 
 async def test_audit_overturned_punishes_the_auditor_and_releases(tmp_path):
@@ -435,7 +446,7 @@ async def test_no_audit_at_rate_zero_and_no_release_without_an_auditor(tmp_path)
     first = iter([True])
 
     async def judge(kind, *args, **kw):
-        from scheduler.dispatch import Judged
+        from scheduler.jobs import Judged
 
         if kind == "verify" and next(first, False):
             return Judged(node(1), type("V", (), {"accepted": True}), b"v")
@@ -446,25 +457,28 @@ async def test_no_audit_at_rate_zero_and_no_release_without_an_auditor(tmp_path)
     assert d.released == [] and d.requeued == ["accepted, but no eligible auditor"]
 
 
-async def test_rollout_weights_must_be_what_the_trainer_published(tmp_path):
-    d, _ = _dispatcher(tmp_path)
-    ok = d._weights_claim_ok
+def test_rollout_weights_must_be_what_the_trainer_published():
+    from scheduler.ledger import WeightsLedger
+
+    ledger = WeightsLedger()
+    ok = ledger.check
     assert ok(0, "base") and not ok(1, "x")  # nothing published: only the base model
-    d.note_published(1, "h1")
-    d.note_published(2, "")  # published without a hash (filesystem transport)
+    ledger.note(1, "h1")
+    ledger.note(2, "")  # published without a hash (filesystem transport)
     assert ok(0, "base") and ok(1, "h1") and ok(2, "anything")
     assert not ok(1, "h2")  # version 1 with another hash
     assert not ok(3, "h3")  # a version never published
-    d.note_published(0, "manifest-of-v0")  # a swarm trainer announces the base model too
+    ledger.note(0, "manifest-of-v0")  # a swarm trainer announces the base model too
     assert ok(0, "folder-hash-of-the-base")  # nodes hash the pool's folder: not a lie
-    d.note_published(1, "h1b")  # republished under another manifest: both hold
+    ledger.note(1, "h1b")  # republished under another manifest: both hold
     assert ok(1, "h1") and ok(1, "h1b")
 
 
 async def test_scheduler_rebuilds_the_published_map_after_a_restart(tmp_path):
     from protocol.envelope import seal
     from protocol.messages import WeightUpdate
-    from scheduler.server import PUBLISHED_PREFIX, SchedulerServer
+    from scheduler.ledger import PUBLISHED_PREFIX
+    from scheduler.server import SchedulerServer
 
     trainer, owner = Identity.generate(), Identity.generate()
     config = PoolConfig(pool_id="p", model="tiny", trainer_public_key=trainer.public_key)
@@ -487,7 +501,7 @@ async def test_scheduler_rebuilds_the_published_map_after_a_restart(tmp_path):
         )
     await server._load_state()
     await server.engine.dispose()
-    assert server.dispatcher.published == {1: {"h1"}, 2: {"h2", "h2b"}, 3: {"h3"}}
+    assert server.ledger.published == {1: {"h1"}, 2: {"h2", "h2b"}, 3: {"h3"}}
 
 
 async def test_a_node_whose_calls_time_out_is_benched_despite_heartbeats(tmp_path):
@@ -509,3 +523,27 @@ async def test_a_node_whose_calls_time_out_is_benched_despite_heartbeats(tmp_pat
     assert n.state == "healthy"
     d.note_timeout(n)  # and it failed again: benched twice as long
     assert n.benched_until > time.time() + 2 * BENCH_S - 5
+
+
+async def test_a_verifier_overturned_about_a_node_banned_later_gets_its_reputation_back(tmp_path):
+    """An honest verifier rejects a borderline cheat's rollout and the judge accepts it: the
+    verifier loses the dispute. When that generator is banned later (evidence, disputes),
+    the verifier was right and its reputation comes back; about an honest generator it
+    does not."""
+    d, registry = _dispatcher(tmp_path, audit_rate=0.0)
+    cheat, honest = node(0), node(9)
+    registry.add(cheat)
+    registry.add(honest)
+    d.jobs["r"] = job = _job()
+    _script(d, registry, [False, True])
+    await d._verify_and_release(job, cheat, None, b"raw", None)
+    first = d.asked[0][1]
+    assert first.reputation == 0.75 and d.released[0][0] == "accepted"
+    d.jobs["r"] = job = _job()
+    _script(d, registry, [False, True])  # new verifiers: n3, n4
+    await d._verify_and_release(job, honest, None, b"raw", None)
+    wrong = d.asked[2][1]
+    d._ban(cheat, "per-node evidence: confirmed")
+    assert first.reputation == 1.0
+    assert wrong.reputation == 0.75  # the node it rejected is not banned
+    assert cheat.state == "banned" and cheat.node_id not in d.overturned

@@ -221,7 +221,20 @@ def test_tracker_lists_other_members_seeds_first_and_forgets_the_silent():
     time.sleep(0.25)  # past 4 intervals
     assert t.announce("p3", SwarmAnnounce(manifest_hash=h)).peers == []
     t.forget("p3")
-    assert t.counts()[h[:12]] == {"peers": 0, "seeds": 0}
+    assert t.counts()[h[:12]] == {"peers": 0, "seeds": 0, "relayed": 0, "unreachable": 0}
+
+
+def test_the_tracker_knows_who_is_reached_directly_and_who_through_a_relay():
+    t, h = Tracker(), "b" * 64
+    relay = "/ip4/8.8.8.8/tcp/4001/p2p/R"
+    t.announce("public", SwarmAnnounce(manifest_hash=h, addrs=["/ip4/1.1.1.1/tcp/1"]))
+    t.announce("natd", SwarmAnnounce(manifest_hash=h, addrs=[
+        "/ip4/192.168.1.2/tcp/1", f"{relay}/p2p-circuit/p2p/natd"]))  # fmt: skip
+    t.announce("both", SwarmAnnounce(manifest_hash=h, addrs=[
+        "/ip4/2.2.2.2/tcp/1", f"{relay}/p2p-circuit/p2p/both"]))  # fmt: skip
+    t.announce("lost", SwarmAnnounce(manifest_hash=h, addrs=["/ip4/10.0.0.3/tcp/1"]))
+    counts = t.counts()[h[:12]]
+    assert (counts["peers"], counts["relayed"], counts["unreachable"]) == (4, 2, 1)
 
 
 # -- settings -------------------------------------------------------------------------------
@@ -241,3 +254,81 @@ def test_swarm_settings_fail_fast_with_a_clear_message(tmp_path):
     with pytest.raises(ValidationError, match="path or a swarm manifest"):
         WeightUpdate(version=1)
     assert WeightsConfig(transport="swarm", swarm={"upload_rate": 10}).swarm.upload_rate == 10
+
+
+# -- delta versions ---------------------------------------------------------------------------
+def _version(folder: Path, state: dict, config: str = "{}") -> Path:
+    from safetensors.torch import save_file
+
+    folder.mkdir(parents=True)
+    save_file(state, str(folder / "model.safetensors"))
+    (folder / "config.json").write_text(config)
+    return folder
+
+
+def test_a_delta_rebuilds_the_new_version_byte_for_byte(tmp_path):
+    import torch
+
+    from protocol.swarm.delta import apply_delta, make_delta
+    from protocol.swarm.manifest import build_manifest
+
+    g = torch.Generator().manual_seed(0)
+    master = {"w": torch.randn(256, 64, generator=g), "b": torch.randn(64, generator=g)}
+    base = _version(tmp_path / "a", {k: v.bfloat16() for k, v in master.items()})
+    moved = {k: v + 1e-3 * torch.randn(v.shape, generator=g) for k, v in master.items()}
+    moved["b"][:3] = torch.tensor([-0.0, float("nan"), float("inf")])  # raw bytes, not floats
+    new = _version(tmp_path / "b", {k: v.bfloat16() for k, v in moved.items()})
+    stats = make_delta(base, new, tmp_path / "d")
+    assert stats is not None and 0 < stats.changed < stats.elements
+    assert stats.delta_bytes < stats.full_bytes / 2
+    apply_delta(base, tmp_path / "d", tmp_path / "out")
+    assert build_manifest(tmp_path / "out", 1, 4096).pieces == build_manifest(new, 1, 4096).pieces
+    assert (base / "model.safetensors").read_bytes() != (new / "model.safetensors").read_bytes()
+
+
+def test_a_delta_is_not_made_when_the_full_version_pays_or_cannot_be_rebuilt(tmp_path):
+    import torch
+
+    from protocol.swarm.delta import make_delta
+
+    g = torch.Generator().manual_seed(1)
+    w = torch.randn(128, 32, generator=g)
+    base = _version(tmp_path / "a", {"w": w})
+    # Every value changed (an fp32 step): the delta would be larger than half the version.
+    assert make_delta(base, _version(tmp_path / "b", {"w": w + 1e-3}), tmp_path / "d1") is None
+    # A config file changed: not a weights-only step.
+    assert make_delta(base, _version(tmp_path / "c", {"w": w}, '{"x": 1}'), tmp_path / "d2") is None
+    # Another dtype (another header): nothing to patch in place.
+    assert make_delta(base, _version(tmp_path / "e", {"w": w.bfloat16()}), tmp_path / "d3") is None
+    assert not any((tmp_path / d).exists() for d in ("d1", "d2", "d3"))
+
+
+def test_a_delta_that_does_not_fit_its_base_is_refused_and_leaves_nothing(tmp_path):
+    import msgpack
+    import numpy as np
+    import torch
+    import zstandard
+
+    from protocol.swarm.delta import DELTA_FILE, DeltaError, apply_delta
+
+    base = _version(tmp_path / "a", {"w": torch.zeros(16)})
+    bad = {
+        "unknown tensor": [{"file": "model.safetensors", "name": "nope", "gaps": b"", "values": b""}],
+        "index out of range": [
+            {"file": "model.safetensors", "name": "w",
+             "gaps": np.array([99], np.uint32).tobytes(), "values": bytes(4)}
+        ],
+        "not a base file": [{"file": "../x.safetensors", "name": "w", "gaps": b"", "values": b""}],
+    }  # fmt: skip
+    for what, tensors in bad.items():
+        d = tmp_path / what.replace(" ", "_")
+        d.mkdir()
+        raw = msgpack.packb({"v": 1, "tensors": tensors}, use_bin_type=True)
+        (d / DELTA_FILE).write_bytes(zstandard.ZstdCompressor().compress(raw))
+        with pytest.raises(DeltaError):
+            apply_delta(base, d, tmp_path / "out")
+        assert not (tmp_path / "out").exists(), what
+    (tmp_path / "junk").mkdir()
+    (tmp_path / "junk" / DELTA_FILE).write_bytes(b"not zstd")
+    with pytest.raises(DeltaError):
+        apply_delta(base, tmp_path / "junk", tmp_path / "out")

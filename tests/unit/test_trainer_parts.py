@@ -9,6 +9,7 @@ import sys
 import pytest
 
 from protocol.config import ConfigError, load_config
+from protocol.messages import Rollout, SamplingParams
 from trainer.batch import Batch, TrainingSample, read_batch, write_batch
 from trainer.config import OrchestratorConfig, RLConfig, TrainerConfig
 from trainer.envs.reverse_text import lcs_ratio, reward_lcs
@@ -69,42 +70,91 @@ def test_rl_config_hands_shared_settings_to_both_processes(tmp_path):
     assert t.run_dir == o.run_dir == tmp_path
 
 
+def decode(ids: list[int]) -> str:
+    """A stand-in for the trusted tokenizer's decode (letters by id)."""
+    return "".join(chr(97 + i % 26) for i in ids)
+
+
 def turn(rid: str, n: int = 3) -> Turn:
-    return Turn(rid, [1, 2], list(range(5, 5 + n)), [1] * n, [-0.5] * n)
+    ids = list(range(5, 5 + n))
+    return Turn(rid, [1, 2], ids, [1] * n, [-0.5] * n, text=decode(ids))
+
+
+def signed(t: Turn, **lies) -> Rollout:
+    """The signed rollout behind a turn (what the scheduler released)."""
+    n = len(t.completion_ids)
+    fields = dict(
+        request_id=t.rollout_id,
+        node_id="n0",
+        prompt_ids=t.prompt_ids,
+        completion_ids=t.completion_ids,
+        logprobs=[-0.25] * n,
+        finish_reason="length",
+        sampling=SamplingParams(max_tokens=n),
+        seed=1,
+        weights_version=0,
+        weights_hash="h",
+        proof=[b"p"],
+    )
+    return Rollout(**(fields | lies))
+
+
+def accepted(t: Turn, version: int, **lies) -> Verdict:
+    return Verdict("accepted", version, signed(t, **lies))
 
 
 def test_episodes_with_any_unaccepted_turn_are_dropped_and_advantages_centre_on_kept():
+    a1, a2, b1, c1, c2, d1 = (turn(x) for x in ("a1", "a2", "b1", "c1", "c2", "d1"))
     eps = [
-        Episode("g", 1.0, [turn("a1"), turn("a2")]),
-        Episode("g", 0.0, [turn("b1")]),
-        Episode("g", 0.5, [turn("c1"), turn("c2")]),  # second turn rejected
-        Episode("g", 0.2, [turn("d1")]),  # stale
+        Episode("g", 1.0, [a1, a2]),
+        Episode("g", 0.0, [b1]),
+        Episode("g", 0.5, [c1, c2]),  # second turn failed
+        Episode("g", 0.2, [d1]),  # stale
     ]
     verdicts = {
-        "a1": Verdict("accepted", 4),
-        "a2": Verdict("accepted", 5),
-        "b1": Verdict("accepted", 5),
-        "c1": Verdict("accepted", 5),
-        "c2": Verdict("rejected", 5),
-        "d1": Verdict("accepted", 2),
+        "a1": accepted(a1, 4),
+        "a2": accepted(a2, 5),
+        "b1": accepted(b1, 5),
+        "c1": accepted(c1, 5),
+        "c2": Verdict("failed", 5),
+        "d1": accepted(d1, 2),
     }
-    groups, filt = build_samples(eps, verdicts, min_version=3)
+    groups, filt = build_samples(eps, verdicts, 3, decode)
     samples = groups["g"]
     assert len(samples) == 3  # a's two turns, b's one
     assert [s.advantage for s in samples] == [0.5, 0.5, -0.5]
     assert samples[0].version == 4, "an episode is as old as its oldest turn"
-    assert filt.counts == {"rejected": 1, "stale": 1}
+    assert filt.counts == {"failed": 1, "stale": 1}
     s = samples[0]
     assert s.loss_mask == [False, False, True, True, True]
-    assert s.logprobs == [0.0, 0.0, -0.5, -0.5, -0.5]
+    # mu is the signed rollout's, not the -0.5 the environment was shown.
+    assert s.logprobs == [0.0, 0.0, -0.25, -0.25, -0.25]
+    assert s.text == decode(a1.completion_ids)
+
+
+def test_a_turn_that_differs_from_its_signed_rollout_is_never_trained():
+    """The environment's copy of a turn (ids it saw, text its rubric scored) must be the
+    signed rollout; any difference drops the episode, whoever lied."""
+    t = [turn(f"t{i}") for i in range(5)]
+    liars = {
+        "t1": accepted(t[1], 0, prompt_ids=[1, 3]),
+        "t2": accepted(t[2], 0, completion_ids=[5, 6, 8]),
+        "t3": Verdict("accepted", 0, None),
+    }
+    t[4].text = "something else"  # the rubric scored text nobody verified
+    verdicts = {x.rollout_id: accepted(x, 0) for x in t} | liars
+    eps = [Episode("g", float(i), [x]) for i, x in enumerate(t)]
+    groups, filt = build_samples(eps, verdicts, 0, decode)
+    assert filt.counts == {"mismatch": 4, "uniform_group": 1}
+    assert groups == {}
 
 
 def test_groups_with_equal_rewards_carry_no_signal_and_are_counted():
     eps = [Episode("same", 1.0, [turn(f"s{i}")]) for i in range(4)]
     eps += [Episode("lone", 1.0, [turn("l0")]), Episode("lone", 0.0, [turn("l1")])]
-    verdicts = {f"s{i}": Verdict("accepted", 0) for i in range(4)}
-    verdicts |= {"l0": Verdict("accepted", 0), "l1": Verdict("failed", 0)}
-    groups, filt = build_samples(eps, verdicts, min_version=0)
+    verdicts = {e.turns[0].rollout_id: accepted(e.turns[0], 0) for e in eps}
+    verdicts["l1"] = Verdict("failed", 0)
+    groups, filt = build_samples(eps, verdicts, 0, decode)
     assert groups == {}
     assert filt.counts == {"uniform_group": 2, "failed": 1}
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import importlib
 import os
+from pathlib import Path
 from typing import Any
 
 from trainer.config import EnvConfig
@@ -36,14 +37,16 @@ def _resolve(target: str):
         raise ValueError(f"cannot load environment {target!r}: {exc}") from exc
 
 
-API_KEY_VAR = "PRIME_POOL_API_KEY"  # verifiers wants a key variable; pools need none
+API_KEY_VAR = "PRIME_POOL_API_KEY"  # verifiers reads the key from a variable
 
 
-def openai_client(base_url: str) -> Any:
-    """A verifiers client config for an OpenAI-compatible endpoint (`.../v1`)."""
+def openai_client(base_url: str, api_key_file: Path | None = None) -> Any:
+    """A verifiers client config for an OpenAI-compatible endpoint (`.../v1`), sending the
+    key in `api_key_file` (a pool's endpoint refuses calls without one)."""
     import verifiers as vf
 
-    os.environ.setdefault(API_KEY_VAR, "unused")
+    key = api_key_file.expanduser().read_text().strip() if api_key_file else "none"
+    os.environ[API_KEY_VAR] = key
     return vf.ClientConfig(api_base_url=base_url, api_key_var=API_KEY_VAR)
 
 

@@ -1,0 +1,147 @@
+"""Jobs: the open requests and the queue of those waiting for a generator (plain data and
+bookkeeping, no I/O; `scheduler.dispatch` runs the protocol over them).
+
+A `Job` is one open request: submitted by the orchestrator (source "dispatch") or made by
+the OpenAI front for a client's call (source "openai"). The `JobTable` maps each open
+request id to its job and keeps the queue; `Released` is what became of a request (the
+front renders its answer from it); `Judged` is one verdict a node gave about a rollout.
+
+Invariants:
+- At most one job is open per request id; a new batch never reopens an id that is open,
+  and never holds one id twice (`new_jobs`).
+- A job is open exactly while it is in the table: withdrawing or releasing takes it out
+  (`withdraw` succeeds once), and a job that is not open is never handed out by the queue
+  (`next_open` drops it).
+- New work is refused (`Saturated`) once the queue would exceed `max_queued`; a job put
+  back for another generator goes to the front of the queue.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import secrets
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Literal
+
+from protocol.messages import MAX_SEED, Rollout, RolloutRequest, RolloutSpec, Verdict
+from scheduler.registry import NodeRecord
+
+Source = Literal["dispatch", "openai"]
+
+
+class Saturated(Exception):
+    """The pool has more queued work than it accepts; retry later."""
+
+
+def new_seed() -> int:
+    return secrets.randbits(63) & MAX_SEED
+
+
+@dataclass
+class Job:
+    request_id: str
+    source: Source
+    spec: RolloutSpec
+    seed: int
+    submitted_at: float
+    queued_at: float = field(default_factory=time.monotonic)
+    attempts: int = 0
+    tried: set[str] = field(default_factory=set)
+    refusals: list[str] = field(default_factory=list)
+    task: asyncio.Task | None = None
+
+    @property
+    def est_tokens(self) -> int:
+        return len(self.spec.prompt_ids) + self.spec.sampling.max_tokens
+
+    def request(self, pool_id: str, proof) -> RolloutRequest:
+        return RolloutRequest(
+            request_id=self.request_id,
+            pool_id=pool_id,
+            prompt_ids=self.spec.prompt_ids,
+            sampling=self.spec.sampling,
+            seed=self.seed,
+            min_version=self.spec.min_version,
+            proof=proof,
+        )
+
+
+@dataclass
+class Released:
+    """What became of one request: the OpenAI front renders its answer from this."""
+
+    status: Literal["accepted", "rejected", "failed"]
+    detail: str
+    envelope: bytes = b""
+    rollout: Rollout | None = None
+    refused: bool = False
+    """Failed because nodes refused the request itself (the client's error)."""
+
+
+@dataclass
+class Judged:
+    """A verdict `node` signed (`envelope`) about a rollout."""
+
+    node: NodeRecord
+    verdict: Verdict
+    envelope: bytes
+
+
+class JobTable(dict[str, Job]):
+    """The open jobs by request id, and `queue`: those waiting for a generator, in order."""
+
+    def __init__(self, max_queued: int):
+        super().__init__()
+        self.max_queued = max_queued
+        self.queue: deque[Job] = deque()
+
+    def new_jobs(self, specs: list[RolloutSpec], source: Source) -> list[Job]:
+        """Jobs for the specs whose ids are not open (they are not queued yet)."""
+        if len(self.queue) + len(specs) > self.max_queued:
+            raise Saturated(
+                f"pool is saturated: {len(self.queue)} requests queued "
+                f"(limit {self.max_queued}); retry later"
+            )
+        ids = [s.request_id for s in specs]
+        if len(set(ids)) != len(ids):
+            raise ValueError("duplicate request_id within one batch")
+        now = time.time()
+        return [
+            Job(s.request_id, source, s, new_seed(), now) for s in specs if s.request_id not in self
+        ]
+
+    def admit(self, jobs: list[Job]) -> None:
+        """Open `jobs` and queue them."""
+        for job in jobs:
+            self[job.request_id] = job
+            self.queue.append(job)
+
+    def is_open(self, job: Job) -> bool:
+        return self.get(job.request_id) is job
+
+    def withdraw(self, job: Job) -> bool:
+        """Close `job`; False if it was not open (withdrawn or released already)."""
+        if not self.is_open(job):
+            return False
+        del self[job.request_id]
+        return True
+
+    def requeue(self, job: Job) -> None:
+        """Put an open job back at the front of the queue, for another generator."""
+        job.queued_at = time.monotonic()
+        self.queue.appendleft(job)
+
+    def next_open(self) -> Job | None:
+        """Take the first open job off the queue (closed ones are dropped); None if empty."""
+        while self.queue:
+            job = self.queue.popleft()
+            if self.is_open(job):
+                return job
+        return None
+
+    def put_back(self, waiting: deque[Job]) -> None:
+        """Jobs taken by `next_open` but not dispatched return ahead of the rest, in order."""
+        waiting.extend(self.queue)
+        self.queue = waiting

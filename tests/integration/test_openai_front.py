@@ -1,0 +1,125 @@
+"""The pool's OpenAI endpoint as a front of the signed path (DESIGN.md sections 2, 3, 10).
+
+A real scheduler and three real `prime-node join` tiny-model workers on loopback, called
+with the official `openai` client: only the pool owner's keys get in; every answer is
+exactly a signed rollout that a second worker verified (streamed or not, one choice or
+several); a client's odd sampling parameters never cost an honest worker anything.
+"""
+
+from __future__ import annotations
+
+import httpx
+import openai
+import pytest
+
+from protocol.envelope import open_envelope
+from protocol.messages import Rollout
+from protocol.openai import completion_text
+from protocol.tokenizer import ChatTokenizer
+from tests.pools import FAST_LIFECYCLE, Pool, collect, make_pool
+from verifier.models import resolve_model
+
+CHAT = {"model": "tiny", "messages": [{"role": "user", "content": "abc"}], "max_tokens": 8}
+
+
+@pytest.fixture(scope="module")
+def pool(tmp_path_factory):
+    p = make_pool(tmp_path_factory.mktemp("front"))
+    p.start_scheduler(*FAST_LIFECYCLE)
+    p.join_many(["w0", "w1", "w2"])
+    yield p
+    p.close()
+
+
+async def released(pool: Pool, ids: set[str]) -> dict[str, Rollout]:
+    """The signed rollouts the results stream released for these rollout ids."""
+    async with pool.client() as client:
+        found: dict[str, Rollout] = {}
+        after = 0
+        while len(found) < len(ids):
+            page = await collect(client, 1, 60, after=after)
+            after = page[-1].seq
+            for r in page:
+                if r.request_id in ids:
+                    assert (r.source, r.status) == ("openai", "accepted"), r
+                    found[r.request_id] = open_envelope(
+                        r.rollout_envelope, Rollout, check_expiry=False
+                    ).message
+        return found
+
+
+def test_only_the_pool_owners_keys_open_the_endpoint(pool: Pool):
+    for key in ("", "sk-anything", "psk-" + "A" * 40):
+        c = openai.OpenAI(base_url=f"{pool.url}/v1", api_key=key or "none", max_retries=0)
+        with pytest.raises(openai.AuthenticationError):
+            c.chat.completions.create(**CHAT)
+    # A pool worker's own OpenAI routes are closed to everyone: it works for its scheduler.
+    node = next(iter(pool.nodes.values()))
+    r = httpx.post(
+        node.health_url.replace("/health", "/v1/chat/completions"),
+        json={"messages": [{"role": "user", "content": "x"}]},
+    )
+    assert r.status_code == 403
+    # A key's own rate applies.
+    slow = openai.OpenAI(
+        base_url=f"{pool.url}/v1", api_key=pool.api_key("slow", 0.01, 1), max_retries=0
+    )
+    slow.models.list()
+    with pytest.raises(openai.RateLimitError):
+        slow.models.list()
+
+
+async def test_answers_are_the_verified_signed_rollouts_streamed_or_not(pool: Pool):
+    client = pool.openai(max_retries=0)
+    tok = ChatTokenizer(resolve_model("tiny"))
+    whole = client.chat.completions.create(**CHAT, logprobs=True, n=2, seed=1)
+    assert whole.model_extra["seed_chosen_by"] == "scheduler"
+    chunks = list(
+        client.chat.completions.create(
+            **CHAT, stream=True, stream_options={"include_usage": True}, extra_body={}
+        )
+    )
+    streamed_id = next(
+        c.choices[0].model_extra["rollout_id"]
+        for c in chunks
+        if c.choices and c.choices[0].finish_reason
+    )
+    ids = {c.model_extra["rollout_id"] for c in whole.choices} | {streamed_id}
+    assert len(ids) == 3
+    signed = await released(pool, ids)
+    for c in whole.choices:
+        r = signed[c.model_extra["rollout_id"]]
+        assert c.model_extra["token_ids"] == r.completion_ids
+        assert [e.logprob for e in c.logprobs.content] == r.logprobs
+        assert c.message.content == completion_text(r, tok.decode)
+        assert c.finish_reason == r.finish_reason
+    assert whole.model_extra["prompt_token_ids"] == signed[streamed_id].prompt_ids
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == completion_text(signed[streamed_id], tok.decode)
+    assert chunks[-1].usage.completion_tokens == len(signed[streamed_id].completion_ids)
+
+
+def test_unsupported_and_out_of_range_parameters_get_a_clear_400(pool: Pool):
+    client = pool.openai(max_retries=0)
+    for extra, said in (
+        ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "'tools'"),
+        ({"response_format": {"type": "json_object"}}, "'response_format'"),
+        ({"temperature": 1e-300}, "temperature"),
+        ({"top_p": 1.5}, "top_p"),
+        ({"logprobs": True, "top_logprobs": 3}, "top_logprobs"),
+    ):
+        with pytest.raises(openai.BadRequestError, match=said):
+            client.chat.completions.create(**(CHAT | extra))
+
+
+async def test_a_clients_tiny_top_p_bans_nobody(pool: Pool):
+    """The attack of the issue: top_p = 1e-300 (0 in float32) used to make every verifier
+    reject the honest generator's rollout; nine such calls banned a worker."""
+    client = pool.openai(max_retries=0)
+    answers = [client.chat.completions.create(**CHAT, top_p=1e-300) for _ in range(12)]
+    ids = {a.choices[0].model_extra["rollout_id"] for a in answers}
+    await released(pool, ids)
+    state = pool.state()
+    assert {n["state"] for n in state["nodes"]} == {"healthy"}
+    assert {n["reputation"] for n in state["nodes"]} == {1.0}
+    assert state["totals"]["rejections"] == 0
