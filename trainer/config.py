@@ -354,6 +354,8 @@ class LocalSwarmConfig(Section):
     swarm share the trainer's load on one machine."""
     pool_args: list[str] = []
     """Extra flags for `prime-scheduler pool create` (e.g. `--verification.audit-rate 1`)."""
+    worker_args: list[str] = []
+    """Extra flags for every `prime-node join` (e.g. `--engine.max-batch-size 64` on a GPU)."""
     startup_timeout_s: float = Field(300.0, gt=0)
     """How long the scheduler and the workers may take to come up."""
 

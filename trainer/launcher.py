@@ -161,7 +161,11 @@ def run_rl(cfg: RLConfig, console: Console) -> int:
     launch = Launch(cfg.run_dir)
     local = LocalPool(cfg) if cfg.local_swarm.enabled else None
     view = RunView(
-        cfg.run_dir, cfg.max_steps, local.url if local else None, local.names() if local else None
+        cfg.run_dir,
+        cfg.max_steps,
+        local.url if local else None,
+        local.names() if local else None,
+        local.worker_health_urls() if local else None,
     )
     live = (
         Live(view, console=console, refresh_per_second=2)
@@ -191,6 +195,7 @@ def run_rl(cfg: RLConfig, console: Console) -> int:
         signal.signal(signal.SIGTERM, previous)
         view.phase = "stopping"
         view.poll()  # the pool's final counts, before it goes
+        view.poll_workers()
         launch.stop_all()
         if cfg.monitor.plot:
             plot_run(cfg.run_dir)

@@ -25,6 +25,10 @@ def _fmt(x: float | None, spec: str = ".3f") -> str:
     return "-" if x is None else format(x, spec)
 
 
+def _ratio(a: float, b: float) -> float | None:
+    return a / b if b > 0 else None
+
+
 class RunView:
     """A rich renderable of a running `rl` run; call `poll` before each refresh."""
 
@@ -34,6 +38,7 @@ class RunView:
         max_steps: int,
         scheduler_url: str | None = None,
         names: dict[str, str] | None = None,
+        worker_urls: dict[str, str] | None = None,
     ):
         self.run_dir = Path(run_dir)
         self.max_steps = max_steps
@@ -43,6 +48,9 @@ class RunView:
         self.trained: list[dict] = []
         self.made: list[dict] = []
         self.pool: dict | None = None
+        self.worker_urls = worker_urls or {}
+        """Worker name -> its /health URL (a local swarm's workers, on loopback)."""
+        self.workers_busy: dict[str, dict[str, float]] = {}
         self.phase = "starting"
 
     def poll(self) -> None:
@@ -54,6 +62,17 @@ class RunView:
                 self.pool = r.json() if r.status_code == 200 else None
             except httpx.HTTPError:
                 self.pool = None
+
+    def poll_workers(self) -> None:
+        """Each local worker's seconds spent generating and verifying (its /health `busy_s`),
+        read once at the end: the share of worker time that verification costs."""
+        for name, url in self.worker_urls.items():
+            try:
+                r = httpx.get(url, timeout=2.0)
+                if r.status_code == 200:
+                    self.workers_busy[name] = r.json()["busy_s"]
+            except (httpx.HTTPError, ValueError, KeyError):
+                pass
 
     # -- pieces -------------------------------------------------------------------------
     def _rollouts(self) -> dict[str, int]:
@@ -134,6 +153,7 @@ class RunView:
         fifth = max(1, len(rewards) // 5)
         idle = [r.get("idle_s", 0.0) for r in self.trained[1:]]
         busy = [r.get("step_time_s", 0.0) for r in self.trained[1:]]
+        mfu = [r["mfu"] for r in self.trained[1:] if "mfu" in r]
         out: dict = {
             "outcome": outcome,
             "wall_s": round(time.monotonic() - self.started, 1),
@@ -142,8 +162,18 @@ class RunView:
             "reward_last_fifth": statistics.fmean(rewards[-fifth:]) if rewards else None,
             "trainer_idle_fraction": sum(idle) / (sum(idle) + sum(busy)) if busy else None,
             "stale_samples": sum(r.get("stale_dropped", 0) for r in self.trained),
+            "pool_tokens_per_s": _ratio(
+                sum(r.get("completion_tokens", 0) for r in self.made),
+                sum(r.get("generate_s", 0.0) for r in self.made),
+            ),
+            "trainer_mfu": statistics.fmean(mfu) if mfu else None,
             **{f"rollouts_{k}": v for k, v in self._rollouts().items()},
         }
+        if self.workers_busy:
+            gen = sum(b.get("generate", 0.0) for b in self.workers_busy.values())
+            ver = sum(b.get("verify", 0.0) for b in self.workers_busy.values())
+            out.update(worker_generate_s=gen, worker_verify_s=ver)
+            out["worker_verify_share"] = _ratio(ver, gen + ver)
         if self.pool:
             out["nodes_banned"] = sum(n["state"] == "banned" for n in self.pool["nodes"])
         if self.pool:

@@ -59,6 +59,7 @@ class LocalPool:
         self.keys = self.root / "keys"
         self.port = free_port()
         self.workers = [f"w{i}" for i in range(self.ls.workers)]
+        self.worker_ports = {w: free_port() for w in self.workers}
         self.keys.mkdir(parents=True, exist_ok=True)
         for name in ("owner", "trainer", "scheduler", *self.workers):
             Identity.load_or_create(self.keys / f"{name}.key")
@@ -152,19 +153,43 @@ class LocalPool:
         )  # fmt: skip
         return Child("scheduler", cmd, f"{self.url}/health", service=True)
 
+    def worker_health_urls(self) -> dict[str, str]:
+        return {w: f"http://127.0.0.1:{p}/health" for w, p in self.worker_ports.items()}
+
     def worker(self, name: str) -> Child:
-        port = free_port()
+        port = self.worker_ports[name]
         cmd = _py(
             "node.cli", "join", "--pool", self.ls.pool_id, "--scheduler", self.url,
             "--key-file", str(self.keys / f"{name}.key"), "--operator", name,
             "--server.port", str(port), "--log-dir", str(self.root / name),
             "--weights.folder", str(self.root / name / "weights"),
             "--weights.peer.upload-rate", str(self.ls.worker_upload_rate),
-            "--drain-timeout-s", "5",
+            "--drain-timeout-s", "5", *self.engine_flags(), *self.ls.worker_args,
         )  # fmt: skip
         # Two cores shared by every process: one thread each keeps them from fighting.
         env = {"OMP_NUM_THREADS": "1"}
-        return Child(name, cmd, f"http://127.0.0.1:{port}/health", env, service=True)
+        return Child(name, cmd, self.worker_health_urls()[name], env, service=True)
+
+    def engine_flags(self) -> list[str]:
+        """`--engine.*` flags for the pool's one engine mix, so a worker generates with what
+        the thresholds were calibrated for (a CPU pool on a GPU machine stays on the CPU);
+        none when the pool admits several mixes (the worker's own defaults pick one)."""
+        from protocol.envelope import open_envelope
+        from protocol.messages import PoolConfig
+
+        pool = open_envelope(self.pool_file.read_bytes(), PoolConfig, check_expiry=False).message
+        mixes = pool.verification.engine_mixes
+        if len(mixes) != 1:
+            return []
+        mix = mixes[0]
+        return [
+            "--engine.kind",
+            mix.engine,
+            "--engine.dtype",
+            mix.dtype,
+            "--engine.device",
+            mix.device,
+        ]
 
     def rl_config(self) -> RLConfig:
         """The run's config pointed at this pool (the children get it resolved)."""

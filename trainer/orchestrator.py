@@ -100,6 +100,7 @@ class Orchestrator:
         self.verdict_event = asyncio.Event()
         self.cursor = 0
         self.published = -1
+        self.announced_seeders: list = []
         self.buffer: list[list[TrainingSample]] = []  # spare groups for the next step
         self.start_step = 1
         if cfg.ckpt.resume and (state := latest_state(cfg.run_dir)):
@@ -144,19 +145,24 @@ class Orchestrator:
         return latest, time.monotonic() - t0
 
     async def _announce_latest(self, client: SchedulerClient) -> None:
-        """Tell the pool about the trainer's newest weights (only between rounds)."""
+        """Tell the pool about the trainer's newest weights (only between rounds), and again
+        when the trainer's seed moved (a restarted trainer listens on new addresses)."""
         latest = self.transport.latest()
-        if latest is not None and latest > self.published:
-            try:
-                await client.publish_weights(self.transport.update(latest))
-                log.info("announced weights v%d to the pool", latest)
-            except RemoteError as exc:
-                if exc.status != 409:
-                    raise
-                # The pool already holds a newer version: a resumed trainer is rewriting
-                # that step (its folder is gone until the new one is complete).
-                log.info("not announcing v%d: %s", latest, exc.message)
-            self.published = latest
+        if latest is None or latest < self.published:
+            return
+        update = self.transport.update(latest)
+        if latest == self.published and update.seeders == self.announced_seeders:
+            return
+        try:
+            await client.publish_weights(update)
+            log.info("announced weights v%d to the pool", latest)
+        except RemoteError as exc:
+            if exc.status != 409:
+                raise
+            # The pool already holds a newer version: a resumed trainer is rewriting
+            # that step (its folder is gone until the new one is complete).
+            log.info("not announcing v%d: %s", latest, exc.message)
+        self.published, self.announced_seeders = latest, update.seeders
 
     async def _wait_verdicts(self, ids: list[str]) -> None:
         deadline = time.monotonic() + VERDICT_TIMEOUT_S
@@ -204,6 +210,7 @@ class Orchestrator:
         chosen = [g for g in self.buffer if min(s.version for s in g) >= min_version][:needed]
         self.buffer = []
         rewards: list[float] = []
+        tokens = 0
         counts: dict[str, int] = {}
         rounds = 0
         while len(chosen) < needed and rounds < cfg.max_rounds:
@@ -212,6 +219,7 @@ class Orchestrator:
             groups, filt = await self._round(step, rounds, needed - len(chosen), version)
             rounds += 1
             rewards += filt.rewards
+            tokens += filt.completion_tokens
             for k, v in filt.counts.items():
                 counts[k] = counts.get(k, 0) + v
             fresh = list(groups.values())
@@ -219,6 +227,7 @@ class Orchestrator:
             chosen += fresh[:take]
             self.buffer += fresh[take:]
         samples = [s for g in chosen for s in g]
+        generate_s = time.monotonic() - t0 - waited
         metrics = {
             "reward_mean": statistics.fmean(rewards) if rewards else 0.0,
             "reward_std": statistics.stdev(rewards) if len(rewards) > 1 else 0.0,
@@ -227,7 +236,10 @@ class Orchestrator:
             "samples": len(samples),
             "rounds": rounds,
             "wait_policy_s": waited,
-            "generate_s": time.monotonic() - t0 - waited,
+            "generate_s": generate_s,
+            # Completion tokens of this step's episodes over the time spent getting them.
+            "completion_tokens": tokens,
+            "pool_tokens_per_s": tokens / generate_s if generate_s > 0 else 0.0,
             "min_version": min_version,
             **{f"dropped_{k}": v for k, v in counts.items()},
         }

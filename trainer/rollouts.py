@@ -60,6 +60,8 @@ class Filtered:
     groups_kept: int = 0
     rewards: list[float] = field(default_factory=list)
     """Rewards of every scored episode (kept or not), for the reward curve."""
+    completion_tokens: int = 0
+    """Tokens the pool generated for the scored episodes (kept or not), for its speed."""
     counts: Counter = field(default_factory=Counter)
     """Why episodes or groups were dropped: rejected, failed, stale, error, uniform_group."""
 
@@ -168,6 +170,7 @@ def build_samples(
     for ep in episodes:
         if not ep.error:
             out.rewards.append(ep.reward)
+            out.completion_tokens += sum(len(t.completion_ids) for t in ep.turns)
         why, version = episode_verdict(ep, verdicts, min_version, decode)
         if why != "ok":
             out.counts[why] += 1

@@ -239,6 +239,7 @@ class Trainer:
             self.load_checkpoint(last)
             if self.rank == 0:
                 log.info("resumed from the checkpoint of step %d", last)
+                transport.reopen()
         if self.rank == 0:
             write_resolved(cfg, cfg.run_dir / "configs" / "trainer.toml")
         if self.step_count == 0:

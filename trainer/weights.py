@@ -111,6 +111,10 @@ class FilesystemTransport(WeightTransport):
     def _unpublish(self, folder: Path) -> None:
         """Hook run before a version is deleted."""
 
+    def reopen(self) -> None:
+        """A resumed trainer, before its first step: serve again the versions it published
+        before the restart (the pool may hold none of them: a whole run restarted)."""
+
     def versions(self) -> list[int]:
         if not self.root.is_dir():
             return []
@@ -173,6 +177,12 @@ class SwarmTransport(FilesystemTransport):
                         envelope = (folder / MANIFEST_FILE).read_bytes()
                         self.seeded[folder] = self.host.seed(envelope, folder)
         return self.host
+
+    def reopen(self) -> None:
+        # Seed now, not at the next save: a restarted pool's workers need the last version
+        # before the orchestrator can make the batch that leads to that save.
+        if self.versions():
+            self._seeder()
 
     def _publish(self, step: int, folder: Path) -> None:
         host = self._seeder()
