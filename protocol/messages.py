@@ -600,6 +600,28 @@ class VerificationPolicy(Message):
     the width of a near-tie at the support's edge (tokens within a factor 1 - slack in
     probability count as either side; `verifier.sampling.support_mask`)."""
 
+    def logprob_mean_limit(self, tokens: int) -> float:
+        """The largest mean |logprob error| accepted over a completion of `tokens` tokens.
+
+        `max_logprob_mean_abs_diff` is fitted to honest rollouts' means, mostly of long
+        completions, whose noise is smaller: on the H200 in bf16 a 16-token honest mean
+        exceeded it 6 times in 10,000 (trust_stats_h200_smollm2_bf16). With per-node
+        evidence the limit widens for short completions to the honest mean plus
+        `MEAN_LIMIT_Z` standard deviations of an n-token mean (the evidence model:
+        sqrt(between^2 + token^2 / n)); it never drops below the fitted threshold."""
+        if tokens < self.logprob_mean_min_tokens:
+            return math.inf
+        ev = self.evidence
+        if ev is None:
+            return self.max_logprob_mean_abs_diff
+        sd = math.sqrt(ev.between**2 + ev.token**2 / tokens)
+        return max(self.max_logprob_mean_abs_diff, ev.mu + MEAN_LIMIT_Z * sd)
+
+
+# One-sided normal quantile of 1e-5: the per-metric share of a 1e-4 per-rollout false
+# rejection budget split over the checks that can reject (as `verifier.calibration` does).
+MEAN_LIMIT_Z = 4.26
+
 
 class ReputationPolicy(Message):
     """How verdicts move a node's reputation, and when it is banned."""

@@ -196,10 +196,7 @@ def rejects(
     return (
         mismatch
         or lp["max_abs_diff"] > policy.max_logprob_abs_diff
-        or (
-            lp["tokens"] >= policy.logprob_mean_min_tokens
-            and lp["mean_abs_diff"] > policy.max_logprob_mean_abs_diff
-        )
+        or lp["mean_abs_diff"] > policy.logprob_mean_limit(int(lp["tokens"]))
         or proof["exp_mismatches"] > policy.max_exp_mismatches
         or proof["mant_err_mean"] > policy.max_mant_err_mean
         or proof["mant_err_median"] > policy.max_mant_err_median

@@ -192,7 +192,7 @@ def check_rollout(
     diff = (torch.tensor(rollout.logprobs, dtype=torch.float32) - rep.logprobs).abs()
     cap = policy.evidence.cap if policy.evidence is not None else DEFAULT_EVIDENCE_CAP
     max_diff, mean_diff = float(diff.max()), float(diff.mean())
-    mean_ok = n < policy.logprob_mean_min_tokens or mean_diff <= policy.max_logprob_mean_abs_diff
+    mean_ok = mean_diff <= policy.logprob_mean_limit(n)
     ok = max_diff <= policy.max_logprob_abs_diff and mean_ok
     results.append(
         CheckResult(

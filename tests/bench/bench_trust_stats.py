@@ -276,10 +276,7 @@ def rejected_by(rec: dict, policy: VerificationPolicy) -> list[str]:
     if mism / n > policy.max_sampling_mismatch_fraction:
         bad.append("sampling")
     err = rec["logprob_err"]
-    mean_judged = n >= policy.logprob_mean_min_tokens
-    if max(err) > policy.max_logprob_abs_diff or (
-        mean_judged and sum(err) / n > policy.max_logprob_mean_abs_diff
-    ):
+    if max(err) > policy.max_logprob_abs_diff or sum(err) / n > policy.logprob_mean_limit(n):
         bad.append("logprobs")
     c = rec["chunks"]
     if any(
