@@ -9,6 +9,9 @@ summary in `<run_dir>/segments/`, and writes the report of everything so far:
 
 - per step: mean reward (orchestrator), loss, trainer MFU and idle seconds (trainer), the
   pool's completion tokens per second while the orchestrator waited for that step;
+- the trainer's wall clock per step split into waiting for a batch, the optimizer step, and
+  the rest (gathering, writing and seeding the weights, checkpoints): the idle fraction
+  (idle over idle + step) alone hides the last;
 - the run: mean reward of the first and last fifth of the steps and their difference, pool
   tokens/s, trainer MFU and idle fraction, the share of worker time spent verifying
   (summed over segments: each worker reports its own busy seconds), rollouts accepted and
@@ -106,6 +109,17 @@ def report(run_dir: Path, config: Path, device: str) -> dict:
     trained = [train[k] for k in sorted(train)][1:]  # step 1 includes compile and warm-up
     idle = sum(r.get("idle_s", 0.0) for r in trained)
     busy = sum(r.get("step_time_s", 0.0) for r in trained)
+    # The trainer's wall clock between logged steps: waiting for a batch (idle), the
+    # optimizer step, and the rest (gathering, writing, signing and seeding the weights,
+    # checkpoints), within one segment (a resume restarts the clock).
+    walls = [
+        (b["time"] - a["time"], b)
+        for a, b in zip(trained, trained[1:], strict=False)
+        if "time" in a and "time" in b and b["step"] == a["step"] + 1
+    ]
+    wall = sum(w for w, _ in walls)
+    w_idle = sum(b.get("idle_s", 0.0) for _, b in walls)
+    w_step = sum(b.get("step_time_s", 0.0) for _, b in walls)
     gen = sum(s.get("worker_generate_s", 0.0) for s in segments)
     ver = sum(s.get("worker_verify_s", 0.0) for s in segments)
     last_seg = segments[-1] if segments else {}
@@ -124,6 +138,14 @@ def report(run_dir: Path, config: Path, device: str) -> dict:
         "trainer_mfu": _fmean([r["mfu"] for r in trained if "mfu" in r]),
         "trainer_tokens_per_s": _fmean([r["tokens_per_s"] for r in trained if "tokens_per_s" in r]),
         "trainer_idle_fraction": idle / (idle + busy) if busy else None,
+        "trainer_wall_s_per_step": wall / len(walls) if walls else None,
+        "trainer_wall_shares": {
+            "idle": w_idle / wall,
+            "step": w_step / wall,
+            "weights_and_checkpoints": 1 - (w_idle + w_step) / wall,
+        }
+        if wall
+        else None,
         "worker_generate_s": gen,
         "worker_verify_s": ver,
         "worker_verify_share": ver / (gen + ver) if gen + ver else None,
@@ -178,6 +200,11 @@ def table(res: dict) -> Table:
         ("pool tokens/s", _f(res["pool_tokens_per_s"], ".0f")),
         ("trainer MFU", _f(res["trainer_mfu"], ".4f")),
         ("trainer idle fraction", _f(res["trainer_idle_fraction"])),
+        ("trainer wall s per step", _f(res["trainer_wall_s_per_step"], ".2f")),
+        (
+            "trainer wall: idle / step / weights+ckpt",
+            " / ".join(f"{v:.2f}" for v in (res["trainer_wall_shares"] or {}).values()) or "-",
+        ),
         ("worker time verifying", _f(res["worker_verify_share"])),
         ("rollouts", ", ".join(f"{k} {v}" for k, v in res["rollouts"].items())),
         ("nodes banned", str(res["nodes_banned"])),
@@ -206,13 +233,14 @@ def main() -> None:
     ap.add_argument("--budget-s", type=float, default=540.0, help="this segment's time slot")
     ap.add_argument("--out", type=Path, default=Path("tests/bench/results/rl_smollm2_h200"))
     ap.add_argument("--report-only", action="store_true", help="no segment: report the run")
+    ap.add_argument("--device", default="", help="device name in the report ('': this one's)")
     ap.add_argument("extra", nargs="*", help="extra `rl` flags (after --)")
     args = ap.parse_args()
     console = Console()
     if not args.report_only:
         seg = run_segment(args.config, args.run_dir, args.budget_s, args.extra)
         console.print(f"segment {seg['segment']}: {seg.get('outcome')} (exit {seg['exit_code']})")
-    res = report(args.run_dir, args.config, device_name())
+    res = report(args.run_dir, args.config, args.device or device_name())
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.with_suffix(".json").write_text(json.dumps(res, indent=2))
     if res["per_step"]:
