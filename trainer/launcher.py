@@ -83,14 +83,17 @@ class Launch:
             except (RuntimeError, TimeoutError) as exc:
                 raise ChildFailed(name) from exc
 
-    def stop_all(self) -> None:
-        """Last started first; everyone is asked at once, then waited for."""
+    def stop_all(self, grace_s: float = 15) -> None:
+        """Last started first; everyone is asked at once, then waited for within one shared
+        `grace_s` (not `grace_s` each: five slow children would take five times as long),
+        and whoever is left is killed."""
         procs = [p for _, p in reversed(self.children.values())]
         for p in procs:
             if p.alive():
                 p.proc.terminate()
+        deadline = time.monotonic() + grace_s
         for p in procs:
-            p.stop(grace_s=15)
+            p.stop(grace_s=max(0.1, deadline - time.monotonic()))
 
 
 class ChildFailed(Exception):

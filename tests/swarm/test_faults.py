@@ -158,6 +158,10 @@ def test_one_dishonest_node_of_each_kind_among_honest_ones(fault_run, report, mo
         cheat_generators={k: 1 if k == "wrong-version" else 0 for k in GENERATOR_CHEATS},
         cheat_verifiers={"reject-all"},
         exempt={"corrupt-pieces", "silent", "accept-all"},
+        # bf16 on an fp32 pool: on a few-token answer of the tiny model its error can be
+        # under the fp32 thresholds (seen once: max 0.00997 against 0.01, vouched for by
+        # accept-all and passed by the audit); the evidence bans it, a rollout may pass.
+        statistical={"lower-precision"},
     )
     # accept-all: punished for every rollout it vouched for that the pool then rejected
     # (banned once those outpace the reputation its honest-looking accepts earn).
