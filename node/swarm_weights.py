@@ -46,6 +46,9 @@ from protocol.swarm.tracker import TrackerClient, dial_addrs
 log = logging.getLogger("prime.node.swarm")
 
 
+EARLY_REANNOUNCE_S = (1.0, 3.0, 7.0)  # after a fetch starts (then every announce interval)
+
+
 class SwarmWeights:
     # The libp2p host class; tests swap in one that serves corrupted pieces
     # (tests/adversaries.py, `corrupt-pieces`).
@@ -207,11 +210,18 @@ class SwarmWeights:
         done = asyncio.wrap_future(future)
         trainer_added = not seeded_by_peers
         last_have, last_progress = 0, loop.time()
+        # Peers that start fetching this version just after us are unknown to the tracker
+        # now: ask again 1, 3 and 7 s after the start, so the first fetchers of a version trade with
+        # the later ones instead of each pulling it all from the trainer's seed.
+        reannounce = [loop.time() + d for d in EARLY_REANNOUNCE_S]
         while not done.done():
             await asyncio.wait([done], timeout=1.0)
             status = await asyncio.to_thread(self.host.status, digest)
             if done.done() or status is None:
                 break
+            if reannounce and loop.time() >= reannounce[0]:
+                reannounce.pop(0)
+                await self._announce(digest)
             if status.have > last_have:
                 last_have, last_progress = status.have, loop.time()
             if not trainer_added and loop.time() - last_progress > self.seeder_fallback_s:

@@ -175,7 +175,11 @@ def run_rl(cfg: RLConfig, console: Console) -> int:
         if cfg.monitor.progress
         else contextlib.nullcontext()
     )
-    previous = signal.signal(signal.SIGTERM, _raise_interrupted)
+    # Both installed here: a process started in the background inherits SIGINT ignored
+    # (POSIX shells do that to `cmd &`), and Ctrl-C or `kill -INT` must still stop the run.
+    previous = {
+        sig: signal.signal(sig, _raise_interrupted) for sig in (signal.SIGTERM, signal.SIGINT)
+    }
     outcome, message = "failed", ""
     try:
         with live:
@@ -195,7 +199,8 @@ def run_rl(cfg: RLConfig, console: Console) -> int:
     except (KeyboardInterrupt, Interrupted):
         outcome, message = "interrupted", "[yellow]interrupted: stopping every process[/yellow]"
     finally:
-        signal.signal(signal.SIGTERM, previous)
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
         view.phase = "stopping"
         view.poll()  # the pool's final counts, before it goes
         view.poll_workers()
