@@ -166,9 +166,14 @@ def wait_banned(pool: Pool, node_ids: set[str], timeout_s: float) -> None:
         time.sleep(0.5)
 
 
-async def test_generator_and_verifier_cheats_are_banned_with_audits(tmp_path):
+async def test_generator_and_verifier_cheats_are_banned_with_audits(tmp_path, monkeypatch):
     """All generator cheats (one operator, "mallory"), a verifier that accepts everything
     and one that rejects everything, three honest nodes; audit_rate 1.0."""
+    # Weight noise of 2e-3 x std (the kind's default) passes on some of the tiny model's
+    # short answers (seen: one accepted rollout here; 9 of 16 in the fault tests), which
+    # this test's "nothing of a cheat accepted" cannot allow; 2e-2 is a cheat the checks
+    # must catch on every rollout (the fault test of every kind uses it too).
+    monkeypatch.setenv("PRIME_PERTURB_SCALE", "2e-2")
     verification = tiny_verification().model_copy(update={"audit_rate": 1.0})
     pool = make_pool(tmp_path, verification=verification)
     started = time.time()
