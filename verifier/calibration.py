@@ -39,14 +39,18 @@ _FIELDS = {
     "mismatch_fraction": ("sampling", "max_sampling_mismatch_fraction", 0.0),
 }
 
-# Upper bounds: a threshold above these would let tampering through (see tests/bench).
+# Upper bounds: a threshold above these would let tampering through. Measured on the H200
+# (bench_trust over trust_stats_h200_smollm2_bf16): from (0.81, 0.83) to (1.5, 2.0) for the
+# max logprob error and the sampling tolerance, the share of cheating rollouts rejected
+# moved by at most 0.05 for every cheat but top_p_0.9 (0.83 -> 0.61), whose nodes the
+# disputes still ban within 10 rollouts; the steered token then passes 1 time in 64.
 _CAPS = {
     "max_exp_mismatches": 64,
     "max_mant_err_mean": 16.0,
     "max_mant_err_median": 16.0,
-    "max_logprob_abs_diff": 1.0,
+    "max_logprob_abs_diff": 2.0,
     "max_logprob_mean_abs_diff": 0.1,
-    "sampling_tolerance": 0.5,
+    "sampling_tolerance": 1.5,
     "max_sampling_mismatch_fraction": 0.05,
 }
 
@@ -67,6 +71,9 @@ def permissive_policy() -> VerificationPolicy:
 
 
 TAIL_FRACTION = 0.1
+# The sample's tops that are fitted, each only with at least MIN_TAIL_POINTS values.
+TAIL_FRACTIONS = (0.1, 0.03, 0.01)
+MIN_TAIL_POINTS = 30
 DEFAULT_TARGET_RATE = 1e-4
 
 
@@ -101,13 +108,38 @@ class TailFit:
         return self.fraction * math.exp(-(value - self.u) / self.scale)
 
 
+@dataclass(frozen=True)
+class HeavyTail:
+    """The most pessimistic of exponential fits to the sample's top tenth, thirtieth and
+    hundredth (those with at least `MIN_TAIL_POINTS` values). A tail heavier than
+    exponential shows as a scale that grows further out: the max logprob error of the
+    honest verdicts of an RL run on the H200 has scale 0.083 over its top tenth and 0.122
+    over its top hundredth, and the fit to the top tenth alone put its 1e-5 quantile (0.94)
+    barely above the worst of 3,880 values (0.87) while 4 of them exceeded 0.74, where that
+    fit expected 0.6."""
+
+    fits: tuple[TailFit, ...]
+
+    @classmethod
+    def of(cls, values: list[float]) -> HeavyTail:
+        n = len(values)
+        fits = tuple(TailFit.of(values, f) for f in TAIL_FRACTIONS if f * n >= MIN_TAIL_POINTS)
+        return cls(fits or (TailFit.of(values, TAIL_FRACTIONS[0]),))
+
+    def quantile(self, rate: float) -> float:
+        return max(f.quantile(rate) for f in self.fits)
+
+    def exceedance(self, value: float) -> float:
+        return max(f.exceedance(value) for f in self.fits)
+
+
 @dataclass
 class MetricStats:
     name: str
     median: float
     p99: float
     maximum: float
-    tail: TailFit
+    tail: TailFit | HeavyTail
 
 
 def _quantile(values: list[float], q: float) -> float:
@@ -134,7 +166,7 @@ def collect(
 
 def summarize(values: dict[str, list[float]]) -> list[MetricStats]:
     return [
-        MetricStats(k, _quantile(v, 0.5), _quantile(v, 0.99), max(v), TailFit.of(v))
+        MetricStats(k, _quantile(v, 0.5), _quantile(v, 0.99), max(v), HeavyTail.of(v))
         for k, v in values.items()
         if v
     ]
@@ -155,8 +187,33 @@ def propose(
         _, field, floor = _FIELDS[s.name]
         value = max(s.tail.quantile(per_metric), floor)
         value = max(min(value, _CAPS[field]), s.maximum)
-        fields[field] = math.ceil(value) if field == "max_exp_mismatches" else round(value, 4)
+        # Rounded up: a threshold rounded below the worst honest value would reject it.
+        fields[field] = math.ceil(value) if field == "max_exp_mismatches" else _ceil4(value)
     return VerificationPolicy(**fields)
+
+
+def propose_over_regimes(
+    regimes: list[list[list[CheckResult]]],
+    base: VerificationPolicy | None = None,
+    target_rate: float = DEFAULT_TARGET_RATE,
+) -> VerificationPolicy:
+    """Thresholds that hold in every regime (a bench's prompts; a real run's batch mixes and
+    trained weights): each the largest of the regimes' own proposals. Fitting their union
+    instead lets the larger, tamer sample dilute the heavier tail of the other."""
+    fields = dict((base or VerificationPolicy()).model_dump())
+    proposed: dict[str, list[float]] = {}
+    for regime in regimes:
+        stats = summarize(collect(regime))
+        policy = propose(stats, base, target_rate)
+        for s in stats:  # only what the regime measured (a run's verdicts lack some metrics)
+            field = _FIELDS[s.name][1]
+            proposed.setdefault(field, []).append(getattr(policy, field))
+    fields.update({field: max(values) for field, values in proposed.items()})
+    return VerificationPolicy(**fields)
+
+
+def _ceil4(x: float) -> float:
+    return math.ceil(round(x * 1e4, 6)) / 1e4
 
 
 def threshold(s: MetricStats, policy: VerificationPolicy) -> float:

@@ -17,6 +17,15 @@ judged), the cheats of all files are pooled by name.
   disputes its rejected rollouts lose (what bans a cheat the thresholds mostly reject);
 - honest nodes flagged over `--honest-nodes` nodes x `--max-rollouts` rollouts replayed
   from `honest_b` (target 0).
+`--run-verdicts FILE` (`verdict_stats.py` JSON of an all-honest run: a real pool's regime,
+its batch mixes and trained weights, which a bench's prompts do not reproduce) adds that
+run's verdicts as honest rollouts: every other one calibrates too, as a regime of its own
+(`propose_over_regimes`: each threshold the larger of the bench's and the run's), the rest
+are judged as `honest_run` (with `--calibrate-on all-honest` all calibrate, and
+`honest_run` is then judged in sample). Those verdicts carry each check's worst value, not
+per-token score gaps, which is what `rejects` needs when no sampling mismatch is allowed.
+`--judge-verdicts FILE` judges another run's verdicts only (`honest_heldout`): thresholds
+fitted on one run, judged on the next.
 Prints a table, writes JSON and a PNG of the per-node statistic over rollouts (honest
 against each cheat); `--write-thresholds FILE` writes the calibrated table as TOML.
 
@@ -40,7 +49,7 @@ from rich.table import Table
 
 from protocol.evidence import NodeEvidence
 from protocol.messages import CheckResult, EngineMix, ReputationPolicy, VerificationPolicy
-from verifier.calibration import collect, propose, propose_evidence, rejects, summarize
+from verifier.calibration import propose_evidence, propose_over_regimes, rejects
 
 console = Console(width=160)
 HONEST_SETS = {"honest_a", "honest_b"}
@@ -60,6 +69,23 @@ def checks_of(rollout: dict) -> list[CheckResult]:
         )
         for name, c in rollout["checks"].items()
     ]
+
+
+def run_rollouts(path: Path) -> list[dict]:
+    """A run's verdicts (`verdict_stats.py`'s `per_verdict`) in `bench_trust_stats`'s form."""
+    checks = {  # check -> the metrics verdict_stats keeps of it
+        "sampling": ("max_score_gap",),
+        "logprobs": ("max_abs_diff", "mean_abs_diff", "tokens", "clipped_mean_abs_diff"),
+        "proof": ("exp_mismatches", "mant_err_mean", "mant_err_median"),
+    }
+    out = []
+    for v in load_stats(path)["per_verdict"]:
+        if "max_abs_diff" not in v:  # a verdict that ended before the numeric checks
+            continue
+        rollout = {name: {k: v[k] for k in keys if k in v} for name, keys in checks.items()}
+        rollout["support"] = {"tokens_outside": 0.0}
+        out.append({"checks": rollout, "score_gap": None})
+    return out
 
 
 def rejected(rollout: dict, p: VerificationPolicy) -> bool:
@@ -116,6 +142,14 @@ def main() -> None:
     ap.add_argument("--honest-nodes", type=int, default=100)
     ap.add_argument("--out", type=Path, required=True, help="output prefix (.json, .png)")
     ap.add_argument("--write-thresholds", type=Path)
+    ap.add_argument("--run-verdicts", type=Path, nargs="*", default=[], help="verdict_stats JSON")
+    ap.add_argument(
+        "--judge-verdicts",
+        type=Path,
+        nargs="*",
+        default=[],
+        help="verdict_stats JSON of other runs: judged as honest_heldout, never calibrated on",
+    )
     args = ap.parse_args()
     files = [load_stats(path) for path in args.stats]
     data = files[0]
@@ -128,14 +162,30 @@ def main() -> None:
                 continue
             pooled = "honest_b" if name.startswith("honest") else name
             strategies.setdefault(pooled, []).extend(entry["rollouts"])
+    run = [r for path in args.run_verdicts for r in run_rollouts(path)]
+    run_calib = run if args.calibrate_on == "all-honest" else run[::2]
+    strategies["honest_run"] = run if args.calibrate_on == "all-honest" else run[1::2]
+    strategies["honest_heldout"] = [r for path in args.judge_verdicts for r in run_rollouts(path)]
     strategies = {k: v for k, v in strategies.items() if v}
     engine, dtype, device = args.mix.split("/")
-    policy = propose(
-        summarize(collect([checks_of(r) for r in calib])), VerificationPolicy(), args.target_rate
+    policy = propose_over_regimes(
+        [[checks_of(r) for r in calib], [checks_of(r) for r in run_calib]],
+        VerificationPolicy(),
+        args.target_rate,
     )
     policy = policy.model_copy(
         update={
-            "evidence": propose_evidence([checks_of(r) for r in calib]),
+            # The regime with the largest honest mean error sets the model: a fit to the
+            # short, low-entropy completions of an RL run (mean 0.008) flags every honest
+            # node of the bench's long ones (0.04), so the regimes are never pooled here.
+            "evidence": max(
+                (
+                    propose_evidence([checks_of(r) for r in rs])
+                    for rs in (calib, run_calib)
+                    if sum("clipped_mean_abs_diff" in r["checks"]["logprobs"] for r in rs) >= 2
+                ),
+                key=lambda e: e.mu,
+            ),
             "engine_mixes": [EngineMix(engine=engine, dtype=dtype, device=device)],
         }
     )
@@ -143,6 +193,15 @@ def main() -> None:
     rows, paths = {}, {}
     for name, rollouts in strategies.items():
         rej = sum(rejected(r, policy) for r in rollouts) / len(rollouts)
+        if name in ("honest_run", "honest_heldout") and not all(
+            "clipped_mean_abs_diff" in r["checks"]["logprobs"] for r in rollouts
+        ):
+            rows[name] = {
+                "rollouts": len(rollouts),
+                "rejected_per_rollout": rej,
+                "in_sample": args.calibrate_on == "all-honest",
+            }
+            continue
         if name.startswith("honest"):
             flags = [
                 until_flag(rollouts, policy, args.max_rollouts, rng)
@@ -189,9 +248,9 @@ def main() -> None:
     for name, r in rows.items():
         if name.startswith("honest"):
             table.add_row(
-                name,
+                f"{name} ({r['rollouts']})",
                 f"{r['rejected_per_rollout']:.4f}",
-                f"{r['nodes_flagged']}/{r['nodes_replayed']} nodes",
+                f"{r['nodes_flagged']}/{r['nodes_replayed']} nodes" if "nodes_flagged" in r else "",
                 "",
                 "",
                 "",
@@ -210,7 +269,7 @@ def main() -> None:
     console.print(table)
     report = {
         "stats": [str(p) for p in args.stats],
-        "calibrated_on": len(calib),
+        "calibrated_on": {"bench": len(calib), "run": len(run_calib)},
         "args": {k: str(v) for k, v in vars(args).items()},
         "policy": policy.model_dump(mode="json", exclude_none=True),
         "threshold": policy.evidence.threshold,
@@ -237,8 +296,10 @@ def main() -> None:
     fig.savefig(args.out.with_suffix(".png"), dpi=110)
     if args.write_thresholds:
         header = (
-            f"# Calibrated by tests/bench/bench_trust.py from {args.stats[0].name} ({args.calibrate_on}, "
-            f"{len(calib)} rollouts; {data.get('title', '')}); target {args.target_rate:g} per rollout.\n"
+            f"# Calibrated by tests/bench/bench_trust.py from {args.stats[0].name}"
+            + "".join(f" + {p.name}" for p in args.run_verdicts)
+            + f" ({args.calibrate_on}, "
+            f"{len(calib)} + {len(run_calib)} rollouts; {data.get('title', '')}); target {args.target_rate:g} per rollout.\n"
         )
         args.write_thresholds.write_text(
             header

@@ -54,6 +54,8 @@ def read_verdicts(db: Path) -> list[dict]:
                     rec[k] = v
             if c.name == "logprobs":
                 rec["tokens"] = int(c.metrics.get("tokens", 0))
+                if "clipped_mean_abs_diff" in c.metrics:  # the per-node evidence's score
+                    rec["clipped_mean_abs_diff"] = c.metrics["clipped_mean_abs_diff"]
         out.append(rec)
     return out
 

@@ -223,3 +223,45 @@ def test_a_policy_is_judged_again_from_measured_metrics():
     assert rejects(checks(gap=0.1), lenient, score_gaps=[0.1] * 4 + [0.0] * 16)
     with pytest.raises(ValueError):
         rejects(checks(gap=0.1), lenient)
+
+
+def test_a_heavier_than_exponential_tail_gets_the_pessimistic_fit():
+    """Honest errors with a Pareto tail (the RL run's max logprob error on the H200 is one):
+    the fit to the top tenth alone puts the 1e-5 quantile below what a larger honest sample
+    reaches; the fit over the top hundredth does not, and the threshold is that one."""
+    from verifier.calibration import HeavyTail, TailFit
+
+    rng = np.random.default_rng(7)
+    sample = (rng.pareto(4.0, size=4000) * 0.1).tolist()
+    fresh = (rng.pareto(4.0, size=400_000) * 0.1).tolist()
+    tenth, heavy = TailFit.of(sample, 0.1), HeavyTail.of(sample)
+    assert len(heavy.fits) == 3  # 10%, 3%, 1% of 4,000: each at least 30 values
+    assert heavy.quantile(1e-5) > tenth.quantile(1e-5)
+    over = sum(v > heavy.quantile(1e-5) for v in fresh) / len(fresh)
+    assert over < sum(v > tenth.quantile(1e-5) for v in fresh) / len(fresh)
+    assert HeavyTail.of(sample[:200]).fits == (TailFit.of(sample[:200], 0.1),)
+
+
+def test_each_regime_is_fitted_apart_and_the_larger_threshold_holds():
+    """A small sample from a noisier regime (a real run) beside a large tame one (a bench):
+    fitting their union lets the large one dilute the noisy tail; fitting them apart keeps
+    the noisy regime's threshold, and a metric one regime did not measure comes from the
+    other."""
+    from protocol.messages import CheckResult
+    from verifier.calibration import collect, propose, propose_over_regimes, summarize
+
+    rng = np.random.default_rng(8)
+
+    def checks(lp: float, gap: float | None) -> list[CheckResult]:
+        out = [CheckResult(name="logprobs", passed=True, metrics={"max_abs_diff": lp})]
+        if gap is not None:
+            out.append(CheckResult(name="sampling", passed=True, metrics={"max_score_gap": gap}))
+        return out
+
+    bench = [checks(v, 0.1) for v in rng.exponential(0.05, size=50_000)]
+    run = [checks(v, None) for v in rng.exponential(0.1, size=1000)]
+    union = propose(summarize(collect(bench + run)))
+    apart = propose_over_regimes([bench, run])
+    alone = propose(summarize(collect(run)))
+    assert apart.max_logprob_abs_diff == alone.max_logprob_abs_diff > union.max_logprob_abs_diff
+    assert apart.sampling_tolerance == propose(summarize(collect(bench))).sampling_tolerance
