@@ -39,11 +39,12 @@ _FIELDS = {
     "mismatch_fraction": ("sampling", "max_sampling_mismatch_fraction", 0.0),
 }
 
-# Upper bounds: a threshold above these would let tampering through. Measured on the H200
-# (bench_trust over trust_stats_h200_smollm2_bf16): from (0.81, 0.83) to (1.5, 2.0) for the
-# max logprob error and the sampling tolerance, the share of cheating rollouts rejected
-# moved by at most 0.05 for every cheat but top_p_0.9 (0.83 -> 0.61), whose nodes the
-# disputes still ban within 10 rollouts; the steered token then passes 1 time in 64.
+# Upper bounds: a threshold above these would let tampering through. On the H200
+# (bench_trust over trust_stats_h200_smollm2_bf16), moving the CUDA thresholds from their
+# base-model fit (logprob 0.81, replay 0.83, exponents 15) to the fit over two RL runs
+# (1.65, 1.39, 25) cut the share of cheating rollouts rejected (int8 52% -> 22%, weight
+# noise 1e-2 73% -> 42%, top-p 0.9 83% -> 70%, one steered token 100% -> 98%), while every
+# cheat was still banned within 14 rollouts (the per-node evidence or the disputes).
 _CAPS = {
     "max_exp_mismatches": 64,
     "max_mant_err_mean": 16.0,

