@@ -5,8 +5,7 @@ Invariants every implementation keeps:
   filtered logits / T), so any verifier can replay them, whatever engine made them.
 - `GenerationResult.hidden_states[k]` is the last-layer (post-final-norm) hidden state
   that produced completion token k; `PrefillResult` returns the same rows computed in one
-  forward pass over prompt + completion, so proofs from one engine verify on another (the
-  torch engine takes its claims, these rows and the logprobs, from such a pass too).
+  forward pass over prompt + completion, so proofs from one engine verify on another.
 - Reported logprobs are under log_softmax(logits / T), T = 1 for greedy.
 - `load_weights` is applied between batches, never in the middle of one.
 """

@@ -1,15 +1,12 @@
 """The `torch` engine: a transformers causal LM driven by our own decode loop.
 
 Batched generation with a KV cache (left-padded prompts, one forward per step), seeded
-sampling from `verifier.sampling`, stop on EOS / stop strings / max_tokens; a prefill-only
-path (right-padded batch, no cache) for verification. Runs on CPU and CUDA.
+sampling from `verifier.sampling`, stop on EOS / stop strings / max_tokens, and capture of
+the last-layer hidden state of every step for proofs; a prefill-only path (right-padded
+batch, no cache) for verification. Runs on CPU and CUDA.
 
 Invariants: see `node.engines.base`. In addition, weights are swapped under the engine
-lock, so a batch never mixes two versions; the decode only chooses the tokens: the claimed
-logprobs and the proof's hidden rows come from a prefill of prompt + completion (the
-computation a verifier repeats), so an honest claim differs from the verifier's only by
-the batch composition, never by decode-versus-prefill numerics (in bf16 those reached 1.65
-nats on one token of an honest rollout on the H200, deterministically).
+lock, so a batch never mixes two versions.
 """
 
 from __future__ import annotations
@@ -29,7 +26,7 @@ from node.engines.base import (
     hash_weights_dir,
 )
 from verifier.models import load_tokenizer, resolve_model
-from verifier.sampling import BatchSampler, RowParams, token_logprobs
+from verifier.sampling import BatchSampler, RowParams
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -68,11 +65,6 @@ class _StopWatcher:
             return False
         text = self.tokenizer.decode(completion, skip_special_tokens=False)
         return any(s in text for s in self.stops)
-
-
-# Completion tokens per prefill of the claims: [rows, vocab] float32 logits, 200 MB at
-# SmolLM2's 49,152 tokens.
-CLAIM_ROWS = 1024
 
 
 class TorchEngine(InferenceEngine):
@@ -158,6 +150,8 @@ class TorchEngine(InferenceEngine):
         sampler = BatchSampler(params, [r.seed for r in requests], self.vocab_size, dev)
         watchers = [_StopWatcher(self.tokenizer, r.sampling.stop) for r in requests]
         tokens_out: list[list[int]] = [[] for _ in requests]
+        logprobs_out: list[list[float]] = [[] for _ in requests]
+        step_hidden: list[torch.Tensor] = []  # [B, H] per step, kept on the device
         n_top = max(r.top_logprobs for r in requests)
         tops: list[list[list[tuple[int, float]]]] = [[] for _ in requests]
         finish: list[str | None] = [None] * b
@@ -166,7 +160,10 @@ class TorchEngine(InferenceEngine):
         while True:
             logits = self.lm_head(hidden)
             out = sampler(logits, step)
-            toks = out.tokens.tolist()  # one device->host copy per step
+            step_hidden.append(hidden)
+            # One device->host copy per step: token ids are exact in float64.
+            host = torch.stack([out.tokens.double(), out.logprobs.double()]).tolist()
+            toks = [int(t) for t in host[0]]
             if n_top:
                 top = torch.log_softmax(logits.float() / sampler.t[:, None], dim=-1).topk(
                     n_top, dim=-1
@@ -176,6 +173,7 @@ class TorchEngine(InferenceEngine):
                 if finish[i] is not None:
                     continue
                 tokens_out[i].append(toks[i])
+                logprobs_out[i].append(host[1][i])
                 if r.top_logprobs:
                     tops[i].append(
                         list(zip(top_ids[i], top_vals[i], strict=True))[: r.top_logprobs]
@@ -190,78 +188,44 @@ class TorchEngine(InferenceEngine):
                 break
             last_pos = last_pos + 1
             hidden = self._forward(out.tokens[:, None], mask[:, : width + step], last_pos, cache)
-        del cache, hidden, logits  # the claims' prefill reuses that memory
-        logprobs, rows = self._claims(requests, tokens_out, sampler.t)
+        rows = torch.stack(step_hidden, dim=1).cpu()  # [B, steps, H]
         return [
             GenerationResult(
                 tokens_out[i],
-                logprobs[i],
+                logprobs_out[i],
                 finish[i],  # type: ignore[arg-type]
-                rows[i],
+                rows[i, : len(tokens_out[i])].clone(),
                 tops[i] if requests[i].top_logprobs else None,
             )
             for i in range(b)
         ]
-
-    def _claims(
-        self, requests: list[GenerationRequest], tokens: list[list[int]], t: torch.Tensor
-    ) -> tuple[list[list[float]], list[torch.Tensor]]:
-        """Per rollout, the logprobs (under log_softmax(logits / T)) and hidden rows of its
-        completion from a prefill, in chunks of at most CLAIM_ROWS completion tokens so the
-        [rows, vocab] logits stay small at any batch size and length."""
-        logprobs: list[list[float]] = []
-        rows: list[torch.Tensor] = []
-        start = 0
-        while start < len(requests):
-            end, n = start, 0
-            while end < len(requests) and (end == start or n + len(tokens[end]) <= CLAIM_ROWS):
-                n += len(tokens[end])
-                end += 1
-            items = [(requests[i].prompt_ids, tokens[i]) for i in range(start, end)]
-            logits, hidden, sizes = self._prefill(items)
-            temps = torch.repeat_interleave(t[start:end], torch.tensor(sizes, device=t.device))
-            ids = torch.tensor([x for _, c in items for x in c], device=logits.device)[:, None]
-            lps = token_logprobs(logits / temps[:, None], ids).double().tolist()
-            at = 0
-            for size, h in zip(sizes, hidden.split(sizes), strict=True):
-                logprobs.append(lps[at : at + size])
-                rows.append(h.clone())
-                at += size
-            start = end
-        return logprobs, rows
 
     # -- verification prefill ------------------------------------------------------
     @torch.inference_mode()
     def prefill(self, items: list[tuple[list[int], list[int]]]) -> list[PrefillResult]:
         """Logits stay on the engine's device (the checks run there); hidden rows go to CPU."""
         with self.lock:
-            logits, hidden, sizes = self._prefill(items)
+            seqs = [p + c[:-1] for p, c in items]
+            width = max(len(s) for s in seqs)
+            ids = torch.full((len(seqs), width), self.pad_id, dtype=torch.long)
+            mask = torch.zeros((len(seqs), width), dtype=torch.long)
+            for i, s in enumerate(seqs):
+                ids[i, : len(s)] = torch.tensor(s)
+                mask[i, : len(s)] = 1
+            out = self.base(
+                input_ids=ids.to(self.device), attention_mask=mask.to(self.device), use_cache=False
+            )
+            # Only the rows that produced completion tokens go through the output layer, at once.
+            rows = torch.cat(
+                [
+                    out.last_hidden_state[i, len(p) - 1 : len(p) - 1 + len(c)]
+                    for i, (p, c) in enumerate(items)
+                ]
+            )
+            logits = self.lm_head(rows).float()
+            hidden = rows.cpu()
+            sizes = [len(c) for _, c in items]
             return [
                 PrefillResult(lg, h)
                 for lg, h in zip(logits.split(sizes), hidden.split(sizes), strict=True)
             ]
-
-    def _prefill(
-        self, items: list[tuple[list[int], list[int]]]
-    ) -> tuple[torch.Tensor, torch.Tensor, list[int]]:
-        """Float32 logits (on the device) and hidden rows (on CPU) of every completion token
-        of `items`, concatenated, and each item's completion length."""
-        seqs = [p + c[:-1] for p, c in items]
-        width = max(len(s) for s in seqs)
-        ids = torch.full((len(seqs), width), self.pad_id, dtype=torch.long)
-        mask = torch.zeros((len(seqs), width), dtype=torch.long)
-        for i, s in enumerate(seqs):
-            ids[i, : len(s)] = torch.tensor(s)
-            mask[i, : len(s)] = 1
-        out = self.base(
-            input_ids=ids.to(self.device), attention_mask=mask.to(self.device), use_cache=False
-        )
-        # Only the rows that produced completion tokens go through the output layer, at once.
-        rows = torch.cat(
-            [
-                out.last_hidden_state[i, len(p) - 1 : len(p) - 1 + len(c)]
-                for i, (p, c) in enumerate(items)
-            ]
-        )
-        logits = self.lm_head(rows).float()
-        return logits, rows.cpu(), [len(c) for _, c in items]
