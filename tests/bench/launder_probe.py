@@ -1,7 +1,8 @@
 """A laundering cheat, measured: tokens from a cheaper model (weight noise), claims
 (logprobs, proof rows) from one prefill of the real model, the cheapest liar there is
 once proofs and logprobs only attest "a prefill of these tokens". Prints, per strategy, the
-mean |logprob error| the per-node evidence sees, the share of tokens whose seeded choice
+mean |logprob error| the per-node evidence sees (an honest node claims its decode's
+logprobs, the liar a prefill's), the share of tokens whose seeded choice
 the replay does not reproduce, and the share of rollouts over the replay tolerance.
 
     .venv/bin/python tests/bench/launder_probe.py tiny 96 32   # model, rollouts, max tokens
@@ -47,9 +48,11 @@ for name, gen in (
         pre = eng.prefill([(reqs[i].prompt_ids, outs[i].completion_ids) for i in idx])
         for i, pr in zip(idx, pre, strict=True):
             toks = outs[i].completion_ids
-            cl = torch.log_softmax(claims[i].logits, -1).gather(-1, torch.tensor(toks)[:, None])[
-                :, 0
-            ]
+            if name == "honest":  # what an honest torch engine claims: its decode's logprobs
+                cl = torch.tensor(outs[i].logprobs)
+            else:
+                lp = torch.log_softmax(claims[i].logits, -1)
+                cl = lp.gather(-1, torch.tensor(toks)[:, None])[:, 0]
             v = torch.log_softmax(pr.logits, -1).gather(-1, torch.tensor(toks)[:, None])[:, 0]
             lp_err.append(float((cl - v).abs().mean()))
             rep = replay_rows(
