@@ -73,7 +73,7 @@ def permissive_policy() -> VerificationPolicy:
 
 TAIL_FRACTION = 0.1
 # The sample's tops that are fitted, each only with at least MIN_TAIL_POINTS values.
-TAIL_FRACTIONS = (0.1, 0.03, 0.01)
+TAIL_FRACTIONS = (TAIL_FRACTION, 0.03, 0.01)
 MIN_TAIL_POINTS = 30
 DEFAULT_TARGET_RATE = 1e-4
 

@@ -88,6 +88,11 @@ def run_rollouts(path: Path) -> list[dict]:
     return out
 
 
+def scored(rollouts: list[dict]) -> int:
+    """How many of `rollouts` carry the per-node evidence's score (a run's verdicts may not)."""
+    return sum("clipped_mean_abs_diff" in r["checks"]["logprobs"] for r in rollouts)
+
+
 def rejected(rollout: dict, p: VerificationPolicy) -> bool:
     """Whether `p`'s thresholds reject a rollout, from its measured metrics."""
     return rejects(checks_of(rollout), p, rollout["score_gap"])
@@ -182,7 +187,7 @@ def main() -> None:
                 (
                     propose_evidence([checks_of(r) for r in rs])
                     for rs in (calib, run_calib)
-                    if sum("clipped_mean_abs_diff" in r["checks"]["logprobs"] for r in rs) >= 2
+                    if scored(rs) >= 2
                 ),
                 key=lambda e: e.mu,
             ),
@@ -193,9 +198,7 @@ def main() -> None:
     rows, paths = {}, {}
     for name, rollouts in strategies.items():
         rej = sum(rejected(r, policy) for r in rollouts) / len(rollouts)
-        if name in ("honest_run", "honest_heldout") and not all(
-            "clipped_mean_abs_diff" in r["checks"]["logprobs"] for r in rollouts
-        ):
+        if name in ("honest_run", "honest_heldout") and scored(rollouts) < len(rollouts):
             rows[name] = {
                 "rollouts": len(rollouts),
                 "rejected_per_rollout": rej,

@@ -25,12 +25,13 @@ from node.config import EngineConfig  # noqa: E402
 from node.engines.base import GenerationRequest  # noqa: E402
 from node.engines.torch_engine import TorchEngine  # noqa: E402
 from protocol.messages import SamplingParams  # noqa: E402
+from verifier.sampling import token_logprobs  # noqa: E402
 
 WORDS = "the a reverse text of cat dog sky blue red green number four seven apple tree river"
 
 
-def token_logprobs(logits: torch.Tensor, tokens: list[int]) -> torch.Tensor:
-    return torch.log_softmax(logits.float(), -1).gather(-1, torch.tensor(tokens)[:, None])[:, 0]
+def logprobs_of(logits: torch.Tensor, tokens: list[int]) -> torch.Tensor:
+    return token_logprobs(logits.float(), torch.tensor(tokens)[:, None])
 
 
 def quantile(xs: list[float], q: float) -> float:
@@ -73,7 +74,7 @@ def main() -> None:
             [(r.prompt_ids, g.completion_ids) for r, g in zip(reqs, outs, strict=True)]
         )
         for r, g, p in zip(reqs, outs, pre, strict=True):
-            prefill_claims = token_logprobs(p.logits, g.completion_ids)
+            prefill_claims = logprobs_of(p.logits, g.completion_ids)
             gens.append((r.prompt_ids, g.completion_ids, torch.tensor(g.logprobs), prefill_claims))
     order = list(range(args.rollouts))
     rng.shuffle(order)
@@ -81,7 +82,7 @@ def main() -> None:
     for s in range(0, args.rollouts, args.verify_batch):
         idx = order[s : s + args.verify_batch]
         for i, p in zip(idx, eng.prefill([gens[i][:2] for i in idx]), strict=True):
-            ours = token_logprobs(p.logits, gens[i][1])
+            ours = logprobs_of(p.logits, gens[i][1])
             errors["decode claims"].append(float((gens[i][2] - ours).abs().max()))
             errors["prefill claims"].append(float((gens[i][3] - ours).abs().max()))
     for name, xs in errors.items():

@@ -22,7 +22,7 @@ from node.config import EngineConfig  # noqa: E402
 from node.engines.base import GenerationRequest  # noqa: E402
 from node.engines.torch_engine import TorchEngine  # noqa: E402
 from protocol.messages import SamplingParams  # noqa: E402
-from verifier.sampling import RowParams, replay_rows  # noqa: E402
+from verifier.sampling import RowParams, replay_rows, token_logprobs  # noqa: E402
 
 model, n, max_tok = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
 eng = TorchEngine(EngineConfig(model=model, device="cpu", dtype="bfloat16"))
@@ -51,9 +51,8 @@ for name, gen in (
             if name == "honest":  # what an honest torch engine claims: its decode's logprobs
                 cl = torch.tensor(outs[i].logprobs)
             else:
-                lp = torch.log_softmax(claims[i].logits, -1)
-                cl = lp.gather(-1, torch.tensor(toks)[:, None])[:, 0]
-            v = torch.log_softmax(pr.logits, -1).gather(-1, torch.tensor(toks)[:, None])[:, 0]
+                cl = token_logprobs(claims[i].logits, torch.tensor(toks)[:, None])
+            v = token_logprobs(pr.logits, torch.tensor(toks)[:, None])
             lp_err.append(float((cl - v).abs().mean()))
             rep = replay_rows(
                 pr.logits,
