@@ -7,16 +7,25 @@ fixture; they are shown in the terminal summary and written to runs/test-report.
 from __future__ import annotations
 
 import json
+import os
 import random
 from pathlib import Path
 
 import pytest
+from hypothesis import settings
 
 from node.config import EngineConfig
 from tests.nodes import REPO, start_node
 from verifier.models import resolve_model
 
 _REPORT: dict[str, object] = {}
+
+# Property tests draw the same examples on every run ("repeatable"), so a failure in CI is
+# one anyone reproduces with the same command; HYPOTHESIS_PROFILE=explore draws new ones
+# each run (how to hunt for counterexamples). Both print the blob that replays a failure.
+settings.register_profile("repeatable", derandomize=True, print_blob=True)
+settings.register_profile("explore", print_blob=True)
+settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "repeatable"))
 
 
 @pytest.fixture(scope="session")

@@ -23,15 +23,19 @@ from torch import nn
 from trainer.model import decoder_layers
 
 
-def init_distributed() -> tuple[int, int]:
-    """(rank, world_size); joins the process group only under torchrun (WORLD_SIZE > 1)."""
+def init_distributed(kind: str = "auto") -> tuple[int, int]:
+    """(rank, world_size); joins the process group only under torchrun (WORLD_SIZE > 1).
+    The backend follows the trainer's device (`TrainerConfig.device`), not the host: NCCL
+    bound to this rank's GPU (LOCAL_RANK) for CUDA, gloo for a CPU run on any host."""
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if world <= 1:
         return 0, 1
     if not dist.is_initialized():
-        if torch.cuda.is_available():
-            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-            dist.init_process_group("nccl")
+        if kind == "cuda" or (kind == "auto" and torch.cuda.is_available()):
+            gpu = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+            torch.cuda.set_device(gpu)
+            # Bound at once: the first collective (a barrier, say) need not guess the GPU.
+            dist.init_process_group("nccl", device_id=gpu)
         else:
             dist.init_process_group("gloo")
     return dist.get_rank(), dist.get_world_size()

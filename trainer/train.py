@@ -83,7 +83,7 @@ class Trainer:
 
     def __init__(self, cfg: TrainerConfig, process: str = "trainer"):
         self.cfg = cfg
-        self.rank, self.world = init_distributed()
+        self.rank, self.world = init_distributed(cfg.device)
         self.device = pick_device(cfg.device)
         self.dtype = compute_dtype(cfg.model, self.device)
         if self.device.type == "cuda":
@@ -191,6 +191,7 @@ class Trainer:
             "step_time_s": dt,
             "tokens_per_s": n_tokens / dt,
             "mfu": self._mfu(samples, n_tokens, dt),
+            "ranks": self.world,  # FSDP2 ranks the step ran on (1: one unsharded process)
         }
         if loss_kind == "rl":
             metrics["mismatch_kl"] = totals["mismatch_kl"] / denom

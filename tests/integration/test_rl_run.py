@@ -15,6 +15,7 @@ import time
 
 import pytest
 import torch
+from safetensors.torch import load_file
 
 from protocol.identity import Identity
 from protocol.swarm.manifest import MANIFEST_FILE, build_manifest, open_manifest
@@ -118,14 +119,18 @@ def test_rl_killed_after_a_checkpoint_resumes_where_it_stopped(tmp_path, sft_mod
 def test_rl_with_the_swarm_transport_delivers_every_policy_to_every_worker(tmp_path, sft_model):
     """`--weights.transport swarm`: the trainer seeds each step over libp2p under a signed
     manifest; the workers fetch it from each other, load it and report it, and the run
-    trains on rollouts of those versions."""
+    trains on rollouts of those versions. The trainer runs on two FSDP2 ranks under
+    torchrun (`--trainer.nproc 2`, gloo here, NCCL on GPUs): what the workers load is the
+    full state dict gathered from both ranks' shards."""
     steps = 4
     run, _ = rl_through_pool(
         tmp_path, sft_model, "--max-steps", str(steps), "--weights.transport", "swarm",
-        "--weights.swarm.piece-size", str(64 * 1024),
+        "--weights.swarm.piece-size", str(64 * 1024), "--trainer.nproc", "2",
     )  # fmt: skip
     made = read_metrics(run, "orchestrator")
     assert [r["step"] for r in made] == list(range(1, steps + 1))
+    assert [r["ranks"] for r in read_metrics(run, "trainer")] == [2] * steps
+    full = load_file(sft_model / "model.safetensors")
     trainer = Identity.load_or_create(tmp_path / "trainer.key")
     # The last step asked for (and so waited for the pool to load) a policy the workers
     # could only have got over the swarm.
@@ -140,3 +145,6 @@ def test_rl_with_the_swarm_transport_delivers_every_policy_to_every_worker(tmp_p
         signed = open_manifest((newest / MANIFEST_FILE).read_bytes(), {trainer.public_key})
         assert signed.step == k
         assert build_manifest(newest, k, signed.piece_size).pieces == signed.pieces, newest
+        # The whole model, gathered from both ranks' shards: every tensor at full shape.
+        loaded = load_file(newest / "model.safetensors")
+        assert {n: v.shape for n, v in loaded.items()} == {n: v.shape for n, v in full.items()}

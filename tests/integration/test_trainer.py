@@ -53,9 +53,11 @@ def train(run_dir: Path, *flags: str, nproc: int = 1, wait: bool = True, timeout
         cmd = [str(TORCHRUN), "--standalone", f"--nproc-per-node={nproc}", "-m", "trainer.train"]
     else:
         cmd = [sys.executable, "-m", "trainer.train"]
+    # A session of its own: a crash is simulated by killing every rank (os.killpg).
     proc = subprocess.Popen(
-        cmd + args, cwd=REPO, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
-    )
+        cmd + args, cwd=REPO, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+        text=True, start_new_session=True,
+    )  # fmt: skip
     if not wait:
         return proc
     out, _ = proc.communicate(timeout=timeout)
@@ -119,25 +121,28 @@ def test_weights_of_every_step_are_stable_and_load(tmp_path):
     assert (run_dir / "configs" / "trainer.toml").exists()
 
 
-def test_resume_after_sigkill_gives_the_same_weights(tmp_path, report):
+@pytest.mark.parametrize("nproc", [1, 2])
+def test_resume_after_sigkill_gives_the_same_weights(tmp_path, report, nproc):
+    """Killed after a checkpoint and resumed on as many ranks, a run ends with the weights
+    and loss of one never interrupted (FSDP2: each rank restores its own shards)."""
     straight, killed = tmp_path / "straight", tmp_path / "killed"
     write_batches(straight, range(1, 11))
-    rc, out = train(straight)
+    rc, out = train(straight, nproc=nproc)
     assert rc == 0, out[-3000:]
 
     # Only batches 1..6 exist: the run checkpoints at step 5 and then blocks on batch 7
     # (or is still in step 6) when it is killed.
     write_batches(killed, range(1, 7))
-    proc = train(killed, wait=False)
+    proc = train(killed, wait=False, nproc=nproc)
     marker = killed / "checkpoints" / "step_5" / "trainer" / "COMPLETE"
     deadline = time.monotonic() + 180
     while not marker.exists() and proc.poll() is None and time.monotonic() < deadline:
         time.sleep(0.1)
     assert marker.exists(), proc.communicate(timeout=10)[0][-3000:] if proc.poll() else "timeout"
-    proc.send_signal(signal.SIGKILL)
+    os.killpg(proc.pid, signal.SIGKILL)  # every rank at once, as a crash of the machine
     proc.wait(timeout=30)
     write_batches(killed, range(7, 11))
-    rc, out = train(killed, "--ckpt.resume")
+    rc, out = train(killed, "--ckpt.resume", nproc=nproc)
     assert rc == 0, out[-3000:]
     assert "resumed from the checkpoint of step 5" in out
 
@@ -148,7 +153,7 @@ def test_resume_after_sigkill_gives_the_same_weights(tmp_path, report):
     assert resumed["loss"] == pytest.approx(metrics(straight)[-1]["loss"], rel=1e-6, abs=1e-9)
     ckpts = sorted(p.name for p in (killed / "checkpoints").iterdir())
     assert ckpts == ["step_10", "step_5"]  # keep_last = 2
-    report("trainer_resume_max_weight_diff", worst)
+    report(f"trainer_resume_max_weight_diff_{nproc}proc", worst)
 
 
 def test_missing_batch_times_out_with_a_clear_message(tmp_path):
