@@ -12,7 +12,7 @@ import random
 from pathlib import Path
 
 import pytest
-from hypothesis import settings
+from hypothesis import Phase, settings
 
 from node.config import EngineConfig
 from tests.nodes import REPO, start_node
@@ -23,8 +23,10 @@ _REPORT: dict[str, object] = {}
 # Property tests draw the same examples on every run ("repeatable"), so a failure in CI is
 # one anyone reproduces with the same command; HYPOTHESIS_PROFILE=explore draws new ones
 # each run (how to hunt for counterexamples). Both print the blob that replays a failure.
-settings.register_profile("repeatable", derandomize=True, print_blob=True)
-settings.register_profile("explore", print_blob=True)
+# No "explain" phase: on a slow test it replays a failure many more times than it is worth.
+_PHASES = [Phase.explicit, Phase.reuse, Phase.generate, Phase.target, Phase.shrink]
+settings.register_profile("repeatable", derandomize=True, print_blob=True, phases=_PHASES)
+settings.register_profile("explore", print_blob=True, phases=_PHASES)
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "repeatable"))
 
 

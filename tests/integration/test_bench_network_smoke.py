@@ -1,5 +1,5 @@
-"""The network benchmark still runs end to end, tiny (30 SFT steps, 2 RL steps, async 0 and
-2 on 2 workers, one forged-proof worker among 3): every section of the JSON is there, the
+"""The network benchmark still runs end to end, tiny (the session's SFT model, 2 RL steps,
+async 0 and 2 on 2 workers, one forged-proof worker among 3): every section of the JSON is there, the
 workers' /health reported time spent generating and verifying, and the dishonest worker
 was caught (its rollouts rejected)."""
 
@@ -17,11 +17,11 @@ REPO = Path(__file__).resolve().parents[2]
 
 @pytest.mark.slow
 @pytest.mark.timeout(420)
-def test_network_bench_tiny_run_writes_every_section(tmp_path):
+def test_network_bench_tiny_run_writes_every_section(tmp_path, sft_model):
     out = tmp_path / "net"
     proc = subprocess.run(
         [
-            sys.executable, "tests/bench/bench_network.py", "--sft-steps", "30", "--steps", "2",
+            sys.executable, "tests/bench/bench_network.py", "--model", str(sft_model), "--steps", "2",
             "--levels", "0,2", "--workers", "2", "--pool-size", "3", "--dishonest", "1",
             "--out", str(out),
         ],

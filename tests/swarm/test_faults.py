@@ -86,25 +86,6 @@ def test_scheduler_killed_and_restarted_on_the_same_database(fault_run, report):
     )
 
 
-def test_trainer_killed_and_resumed(fault_run, report):
-    """kill -9 of the trainer process mid-step; `rl` stops the orchestrator, and
-    `rl --ckpt.resume` continues from the last checkpoint on the same pool."""
-    run = fault_run(8, "--ckpt.interval", "2")
-    run.start_pool({f"w{i}": None for i in range(3)})
-    run.start_training()
-    run.wait_step(3)
-    time.sleep(random.Random(4).uniform(0.0, 1.0))
-    killed_at = run.trained_steps()
-    run.kill_trainer()
-    assert killed_at < run.steps
-    run.start_training("--ckpt.resume")
-    run.wait_finished()
-    log = (run.run / "logs" / "trainer.log").read_text()
-    assert "resumed from the checkpoint of step" in log
-    counts = run.audit()
-    report("swarm trainer kill -9 + resume (8 steps)", {"killed_after_step": killed_at, **counts})
-
-
 def test_stragglers_among_fast_nodes(fault_run, report, monkeypatch):
     """Two honest workers that take 2 s longer per generation among three fast ones:
     nobody is banned, and the fast ones do most of the work."""
@@ -252,8 +233,10 @@ def test_liars_in_what_clients_read_among_honest_ones(fault_run, report):
 def test_rl_with_delta_weights_trains_as_before(fault_run, report):
     """bf16 publishing at an RL-sized learning rate (1e-5): most steps ship as deltas, the
     workers rebuild each version from the one before and check it against its signed
-    full manifest; the trainer is killed mid-run and resumed, and the chain of deltas
-    goes on from the versions on disk; the run passes the same audit as every fault test."""
+    full manifest; the trainer is killed with kill -9 mid-run, `rl` stops the
+    orchestrator, `rl --ckpt.resume` continues from the last checkpoint on the same pool
+    and the chain of deltas goes on from the versions on disk; the run passes the same
+    audit as every fault test. (This is also the trainer-kill fault test: one run for both.)"""
     run = fault_run(
         10, "--weights.dtype", "bfloat16", "--trainer.optim.lr", "1e-5", "--ckpt.interval", "2",
         "--weights.keyframe-interval", "10",
@@ -261,10 +244,13 @@ def test_rl_with_delta_weights_trains_as_before(fault_run, report):
     run.start_pool({f"w{i}": None for i in range(4)})
     run.start_training()
     run.wait_step(4)
+    time.sleep(random.Random(4).uniform(0.0, 1.0))  # anywhere inside a step
     killed_at = run.trained_steps()
     run.kill_trainer()
+    assert killed_at < run.steps
     run.start_training("--ckpt.resume")
     run.wait_finished()
+    assert "resumed from the checkpoint of step" in (run.run / "logs" / "trainer.log").read_text()
     counts = run.audit()
     published = {
         p["step"]: p  # a step redone after the resume is written again: the last one counts

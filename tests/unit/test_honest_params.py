@@ -261,7 +261,7 @@ def test_honest_rollout_passes_both_verifiers(tiny_engine, fillers, batch):
 
 
 @pytest.mark.slow
-@settings(max_examples=1000, **_SETTINGS)
+@settings(max_examples=300, **_SETTINGS)
 @given(batch=batches)
 def test_honest_rollout_passes_both_verifiers_many(tiny_engine, fillers, batch):
     check_batch(tiny_engine, fillers, batch)
@@ -333,7 +333,7 @@ def test_sampler_and_replay_agree_on_every_valid_parameter(batch, noise_seed):
 
 
 @pytest.mark.slow
-@settings(max_examples=3000, **_SETTINGS)
+@settings(max_examples=1000, **_SETTINGS)
 @given(batch=sampled_batches(), noise_seed=st.integers(0, 2**32 - 1))
 def test_sampler_and_replay_agree_on_every_valid_parameter_many(batch, noise_seed):
     _check_sampler_and_replay(batch, noise_seed)
