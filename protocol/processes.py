@@ -23,14 +23,19 @@ from pathlib import Path
 _PR_SET_PDEATHSIG = 1
 
 
-def _die_with_parent() -> None:
-    """Runs in the child before exec: a parent killed with -9 takes its children along."""
+def die_with_parent() -> None:
+    """This process gets SIGTERM when its parent dies, even by kill -9 (Linux; elsewhere
+    children may outlive a killed parent). Runs in every `ManagedProcess` child before exec,
+    and in each torchrun rank (its agent starts ranks in sessions of their own)."""
+    parent = os.getppid()
     try:
         import ctypes
 
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
-    except OSError:  # not Linux: children may outlive a killed parent
-        pass
+    except OSError:
+        return
+    if os.getppid() != parent:  # the parent died before the call: nobody will signal
+        os.kill(os.getpid(), signal.SIGTERM)
 
 
 # Ports handed out by this process, never handed out twice.
@@ -99,7 +104,7 @@ class ManagedProcess:
                 stdout=log,
                 stderr=subprocess.STDOUT,
                 env=full_env,
-                preexec_fn=_die_with_parent,
+                preexec_fn=die_with_parent,
             )
         child = cls(name, proc, log_path, health_url)
         if wait:

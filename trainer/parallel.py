@@ -20,16 +20,20 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from protocol.processes import die_with_parent
 from trainer.model import decoder_layers
 
 
 def init_distributed(kind: str = "auto") -> tuple[int, int]:
-    """(rank, world_size); joins the process group only under torchrun (WORLD_SIZE > 1).
-    The backend follows the trainer's device (`TrainerConfig.device`), not the host: NCCL
+    """(rank, world_size); joins the process group only under torchrun (WORLD_SIZE > 1),
+    and then dies with its torchrun agent (a killed trainer leaves no rank behind). The
+    backend follows the trainer's device (`TrainerConfig.device`), not the host: NCCL
     bound to this rank's GPU (LOCAL_RANK) for CUDA, gloo for a CPU run on any host."""
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if world <= 1:
         return 0, 1
+    # A trainer killed with -9 is its torchrun agent: no rank may train on without it.
+    die_with_parent()
     if not dist.is_initialized():
         if kind == "cuda" or (kind == "auto" and torch.cuda.is_available()):
             gpu = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))

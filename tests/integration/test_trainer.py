@@ -53,11 +53,9 @@ def train(run_dir: Path, *flags: str, nproc: int = 1, wait: bool = True, timeout
         cmd = [str(TORCHRUN), "--standalone", f"--nproc-per-node={nproc}", "-m", "trainer.train"]
     else:
         cmd = [sys.executable, "-m", "trainer.train"]
-    # A session of its own: a crash is simulated by killing every rank (os.killpg).
     proc = subprocess.Popen(
-        cmd + args, cwd=REPO, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-        text=True, start_new_session=True,
-    )  # fmt: skip
+        cmd + args, cwd=REPO, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+    )
     if not wait:
         return proc
     out, _ = proc.communicate(timeout=timeout)
@@ -124,7 +122,8 @@ def test_weights_of_every_step_are_stable_and_load(tmp_path):
 @pytest.mark.parametrize("nproc", [1, 2])
 def test_resume_after_sigkill_gives_the_same_weights(tmp_path, report, nproc):
     """Killed after a checkpoint and resumed on as many ranks, a run ends with the weights
-    and loss of one never interrupted (FSDP2: each rank restores its own shards)."""
+    and loss of one never interrupted (FSDP2: each rank restores its own shards), and a
+    killed torchrun leaves no rank training on."""
     straight, killed = tmp_path / "straight", tmp_path / "killed"
     write_batches(straight, range(1, 11))
     rc, out = train(straight, nproc=nproc)
@@ -139,7 +138,9 @@ def test_resume_after_sigkill_gives_the_same_weights(tmp_path, report, nproc):
     while not marker.exists() and proc.poll() is None and time.monotonic() < deadline:
         time.sleep(0.1)
     assert marker.exists(), proc.communicate(timeout=10)[0][-3000:] if proc.poll() else "timeout"
-    os.killpg(proc.pid, signal.SIGKILL)  # every rank at once, as a crash of the machine
+    # kill -9 of the trainer (torchrun's agent for 2 ranks): its ranks must die with it,
+    # or they would train on the batches written below and checkpoint past step 5.
+    proc.send_signal(signal.SIGKILL)
     proc.wait(timeout=30)
     write_batches(killed, range(7, 11))
     rc, out = train(killed, "--ckpt.resume", nproc=nproc)
