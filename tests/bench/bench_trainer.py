@@ -236,6 +236,14 @@ def build_model(folder: Path, shape: dict, device: torch.device, seed: int) -> d
     }
 
 
+def flops_per_token(params: dict, shape: dict, seq: int) -> float:
+    """The MFU numerator per token: 6 x N (N = `build_model`'s matmul parameters) plus the
+    full attention score matrix, 12 x layers x hidden x seq_len."""
+    return (
+        6 * params["matmul_params_N"] + 12 * shape["num_hidden_layers"] * shape["hidden_size"] * seq
+    )
+
+
 def make_samples(n: int, seq: int, vocab: int, prompt: int, seed: int):
     from trainer.batch import TrainingSample
 
@@ -737,8 +745,7 @@ def main(argv: list[str] | None = None) -> int:
         params = build_model(model_dir, shape, device, args.seed)
         build_s = time.perf_counter() - t0
         cleanup(device)
-        L, H = shape["num_hidden_layers"], shape["hidden_size"]
-        fpt = 6 * params["matmul_params_N"] + 12 * L * H * args.seq
+        fpt = flops_per_token(params, shape, args.seq)
         meta = {
             "bench": "trainer",
             "schema": 1,
@@ -790,7 +797,11 @@ def main(argv: list[str] | None = None) -> int:
         if not args.no_micro:
             console.print("logprob micro-benchmark")
             report["logprob_micro"] = bench_logprob(
-                device, H, shape["vocab_size"], args.seq, reps=3 if args.tiny else 10
+                device,
+                shape["hidden_size"],
+                shape["vocab_size"],
+                args.seq,
+                reps=3 if args.tiny else 10,
             )
             cleanup(device)
             save()

@@ -85,6 +85,7 @@ from bench_trainer import (  # noqa: E402
     TINY,
     build_model,
     console,
+    flops_per_token,
     make_samples,
     peak_rss_gib,
     sync,
@@ -224,7 +225,8 @@ def launch(args: argparse.Namespace, n: int, tmp: Path, model_dir: Path) -> dict
         try:
             rc = proc.wait(timeout=args.run_timeout_s)
         except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)  # torchrun and its ranks (its own session)
+            # torchrun (its own session); its ranks die with it (trainer.parallel).
+            os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
             rc = None
     row["wall_s"] = time.perf_counter() - t0
@@ -358,8 +360,7 @@ def run_all(args: argparse.Namespace) -> int:
         # On CPU, once: the parent stays off the GPUs, and every run loads the same weights.
         params = build_model(model_dir, shape, torch.device("cpu"), args.seed)
         build_s = time.perf_counter() - t0
-        L, H = shape["num_hidden_layers"], shape["hidden_size"]
-        args.flops_per_token = 6 * params["matmul_params_N"] + 12 * L * H * args.seq
+        args.flops_per_token = flops_per_token(params, shape, args.seq)
         meta = report["meta"] = {
             "bench": "trainer_ranks",
             "schema": 1,

@@ -1,7 +1,7 @@
 """The network benchmark still runs end to end, tiny (the session's SFT model, 2 RL steps,
-async 0 and 2 on 2 workers, one forged-proof worker among 3): every section of the JSON is there, the
-workers' /health reported time spent generating and verifying, and the dishonest worker
-was caught (its rollouts rejected)."""
+async 0 and 2 on 2 workers, one forged-proof worker among 3): every section of the JSON is
+there, the workers' /health reported time spent generating and verifying, and the
+dishonest worker was caught (its rollouts rejected)."""
 
 from __future__ import annotations
 
@@ -21,9 +21,9 @@ def test_network_bench_tiny_run_writes_every_section(tmp_path, sft_model):
     out = tmp_path / "net"
     proc = subprocess.run(
         [
-            sys.executable, "tests/bench/bench_network.py", "--model", str(sft_model), "--steps", "2",
-            "--levels", "0,2", "--workers", "2", "--pool-size", "3", "--dishonest", "1",
-            "--out", str(out),
+            sys.executable, "tests/bench/bench_network.py", "--model", str(sft_model),
+            "--steps", "2", "--levels", "0,2", "--workers", "2", "--pool-size", "3",
+            "--dishonest", "1", "--out", str(out),
         ],
         cwd=REPO,
         timeout=400,
