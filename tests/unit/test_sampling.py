@@ -55,6 +55,23 @@ def test_noise_row_depends_only_on_its_seed_and_position():
     assert torch.equal(gumbel_noise([7], [3], 100)[0], batch[0, :100])
 
 
+def test_noise_is_the_same_whatever_the_cpu_blocking(monkeypatch):
+    """On a CPU the noise is made a few rows at a time (cache-sized passes); a row's values
+    must not depend on the block it falls in, nor on where the blocks split the batch."""
+    import verifier.sampling as vs
+
+    seeds, positions = list(range(11)), [3 * i for i in range(11)]
+    whole = gumbel_noise(seeds, positions, 700)
+    monkeypatch.setattr(vs, "CPU_NOISE_BLOCK_ELEMS", 3 * 700)  # 3 rows a block: 4 blocks
+    blocked = gumbel_noise(seeds, positions, 700)
+    assert torch.equal(blocked, whole)
+    for r in (0, 2, 3, 10):  # first and last rows of blocks
+        assert (
+            blocked[r, 5].item()
+            == torch.tensor(reference_gumbel(seeds[r], positions[r], 5), dtype=torch.float32).item()
+        )
+
+
 def test_noise_differs_across_seeds_and_positions():
     base = gumbel_noise([1], [0], 1000)[0]
     for seeds, positions in [([2], [0]), ([1], [1]), ([2**63 - 1], [0]), ([0], [0])]:
