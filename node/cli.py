@@ -64,6 +64,7 @@ def serve(ctx: typer.Context) -> None:
         batch_wait_s=cfg.engine.batch_wait_ms / 1000,
         max_model_len=cfg.engine.max_model_len,
         pool_id=cfg.pool_id,
+        proof_processes=cfg.engine.proof_processes,
     )
     trusted = {public_key_from_node_id(k) for k in cfg.trusted_keys}
     server = NodeServer(

@@ -57,6 +57,11 @@ class EngineConfig(Section):
     """How long the batcher waits for more requests before starting a batch."""
     max_model_len: int = Field(4096, ge=16)
     """Longest prompt + completion accepted, in tokens."""
+    proof_processes: int = Field(0, ge=0, le=64)
+    """Processes that build TOPLOC proofs beside the engine (`node.proof_pool`); 0 builds
+    them in a thread of the worker. toploc holds the GIL while it builds, so on a GPU, where
+    the engine thread's Python work bounds decoding, a few processes keep proofs off its
+    path; on a CPU the engine already uses every core."""
     seed: int = 0
     """Seed of the random initialisation of the bundled 'tiny' model."""
 

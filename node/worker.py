@@ -32,6 +32,7 @@ import torch
 
 from node.batcher import Batcher
 from node.engines.base import GenerationRequest, GenerationResult, InferenceEngine
+from node.proof_pool import ProofPool
 from protocol.envelope import open_envelope, seal
 from protocol.identity import Identity
 from protocol.messages import (
@@ -79,9 +80,15 @@ class SignedRollout:
 
 
 def make_rollout(
-    request: RolloutRequest, result: GenerationResult, node_id: str, version: int, weights_hash: str
+    request: RolloutRequest,
+    result: GenerationResult,
+    node_id: str,
+    version: int,
+    weights_hash: str,
+    proof: list[bytes] | None = None,
 ) -> Rollout:
-    """The rollout answering `request`, with its TOPLOC proof built from `result`'s rows."""
+    """The rollout answering `request`, with its TOPLOC proof of `result`'s rows (`proof`
+    when already built, e.g. by a `ProofPool`, else built here)."""
     return Rollout(
         request_id=request.request_id,
         pool_id=request.pool_id,
@@ -95,7 +102,7 @@ def make_rollout(
         weights_version=version,
         weights_hash=weights_hash,
         proof_params=request.proof,
-        proof=build_proof(result.hidden_states, request.proof),
+        proof=build_proof(result.hidden_states, request.proof) if proof is None else proof,
     )
 
 
@@ -110,6 +117,7 @@ class Worker:
         batch_wait_s: float,
         max_model_len: int,
         pool_id: str = "local",
+        proof_processes: int = 0,
     ):
         self.engine = engine
         self.identity = identity
@@ -117,6 +125,7 @@ class Worker:
         self.max_model_len = max_model_len
         self.pool_id = pool_id
         self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="engine")
+        self.proofs = ProofPool(proof_processes)
         self.gen_batcher: Batcher[GenerationRequest, Generated] = Batcher(
             self._generate_batch, self.executor, max_batch_size, batch_wait_s
         )
@@ -149,6 +158,7 @@ class Worker:
         await self.gen_batcher.stop()
         await self.prefill_batcher.stop()
         self.executor.shutdown(wait=False, cancel_futures=True)
+        self.proofs.close()
 
     def _timed(self, kind: Literal["generate", "verify"], fn: Callable[[], T]) -> T:
         """Run `fn` and add its wall time to `busy_s[kind]`."""
@@ -186,15 +196,13 @@ class Worker:
                 GenerationRequest(request.prompt_ids, request.sampling, request.seed, top_logprobs)
             )
             result = done.result
-            rollout = await asyncio.get_running_loop().run_in_executor(
-                None,
-                lambda: self._timed(
-                    "generate",
-                    lambda: make_rollout(
-                        request, result, self.node_id, done.version, done.weights_hash
-                    ),
-                ),
+            t0 = time.perf_counter()
+            proof = await self.proofs.build(result.hidden_states, request.proof)
+            rollout = make_rollout(
+                request, result, self.node_id, done.version, done.weights_hash, proof
             )
+            with self._busy_lock:
+                self.busy_s["generate"] += time.perf_counter() - t0
         finally:
             self.outstanding_tokens -= total
         self.stats["generated"] += 1
