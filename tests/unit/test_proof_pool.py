@@ -59,23 +59,9 @@ def test_a_worker_with_proof_processes_answers_rollouts_a_peer_accepts(tiny_engi
     ]
 
     async def run():
-        gen = Worker(
-            tiny_engine,
-            Identity.generate(),
-            POLICY,
-            max_batch_size=4,
-            batch_wait_s=0.01,
-            max_model_len=512,
-            proof_processes=1,
-        )
-        peer = Worker(
-            tiny_engine,
-            Identity.generate(),
-            POLICY,
-            max_batch_size=4,
-            batch_wait_s=0.01,
-            max_model_len=512,
-        )
+        small = {"max_batch_size": 4, "batch_wait_s": 0.01, "max_model_len": 512}
+        gen = Worker(tiny_engine, Identity.generate(), POLICY, **small, proof_processes=1)
+        peer = Worker(tiny_engine, Identity.generate(), POLICY, **small)
         gen.start()
         peer.start()
         try:
