@@ -62,6 +62,16 @@ class EngineConfig(Section):
     them in a thread of the worker. toploc holds the GIL while it builds, so on a GPU, where
     the engine thread's Python work bounds decoding, a few processes keep proofs off its
     path; on a CPU the engine already uses every core."""
+    decode: Literal["auto", "slots", "loop"] = "auto"
+    """Torch engine's decode: 'slots' keeps a static KV cache of `max_batch_size` slots by
+    `max_model_len` positions and joins requests as slots free (continuous batching, CUDA
+    graphs on a GPU; `node.engines.slot_decode`); 'loop' runs transformers' forward with a
+    growing cache, one host sync per token; 'auto' is 'slots' on CUDA, 'loop' on a CPU."""
+    cuda_graphs: bool = True
+    """Capture each decode step shape as a CUDA graph ('slots' decode on a GPU)."""
+    decode_window: int = Field(8, ge=1, le=256)
+    """Decode steps between two readbacks of the tokens ('slots' decode): a finished
+    rollout is noticed, and its slot refilled, within two windows."""
     seed: int = 0
     """Seed of the random initialisation of the bundled 'tiny' model."""
 

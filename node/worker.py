@@ -44,7 +44,7 @@ from protocol.messages import (
     VerifyRequest,
 )
 from verifier.checks import check_rollout, replay_rollouts
-from verifier.proofs import build_proof
+from verifier.proofs import ProofCheck, build_proof, build_proofs, check_proofs
 from verifier.sampling import ReplayResult
 
 T = TypeVar("T")
@@ -61,6 +61,7 @@ class Generated:
     result: GenerationResult
     version: int
     weights_hash: str
+    proof: list[bytes] | None = None  # built on the engine's GPU with the batch, else later
 
 
 @dataclass
@@ -68,8 +69,9 @@ class Replayed:
     """The verifier's side of one rollout: replay results, hidden rows, weights used."""
 
     replay: ReplayResult | None
-    hidden_states: torch.Tensor
+    hidden_states: torch.Tensor | None  # for the proof check, when not done in the batch
     weights_hash: str
+    proof_check: ProofCheck | None = None  # the batch's proof check (on a GPU)
 
 
 @dataclass
@@ -193,11 +195,13 @@ class Worker:
         self.outstanding_tokens += total
         try:
             done = await self.gen_batcher.submit(
-                GenerationRequest(request.prompt_ids, request.sampling, request.seed, top_logprobs)
+                GenerationRequest(
+                    request.prompt_ids, request.sampling, request.seed, top_logprobs, request.proof
+                )
             )
             result = done.result
             t0 = time.perf_counter()
-            proof = await self.proofs.build(result.hidden_states, request.proof)
+            proof = done.proof or await self.proofs.build(result.hidden_states, request.proof)
             rollout = make_rollout(
                 request, result, self.node_id, done.version, done.weights_hash, proof
             )
@@ -214,22 +218,49 @@ class Worker:
         on this thread too, between batches)."""
         version, weights_hash = self.engine.weights_version, self.engine.weights_hash
         results = self._timed("generate", lambda: self.engine.generate(requests))
-        return [Generated(r, version, weights_hash) for r in results]
+        proofs: list[list[bytes] | None] = [None] * len(results)
+        # Rows an engine left on its GPU: every proof of the batch in one pass there.
+        on_gpu = [
+            i
+            for i, (q, r) in enumerate(zip(requests, results, strict=True))
+            if q.proof is not None and r.hidden_states.device.type != "cpu"
+        ]
+        if on_gpu:
+            rows = torch.cat([results[i].hidden_states for i in on_gpu])
+            sizes = [results[i].hidden_states.shape[0] for i in on_gpu]
+            layouts = [requests[i].proof for i in on_gpu]
+            built = self._timed("generate", lambda: build_proofs(rows, sizes, layouts))
+            for i, proof in zip(on_gpu, built, strict=True):
+                proofs[i] = proof
+        return [
+            Generated(r, version, weights_hash, p) for r, p in zip(results, proofs, strict=True)
+        ]
 
     # -- verification --------------------------------------------------------------
     def _prefill_and_replay(self, rollouts: list[Rollout]) -> list[Replayed]:
         """Engine thread: one prefill and one batched sampling replay for a batch of rollouts."""
         weights_hash = self.engine.weights_hash  # under the engine thread: no swap in between
 
-        def run() -> tuple[list, list[ReplayResult | None]]:
-            pre = self.engine.prefill([(r.prompt_ids, r.completion_ids) for r in rollouts])
-            tol = self.policy.support_tolerance
-            return pre, replay_rollouts(rollouts, [p.logits for p in pre], tol)
+        def run() -> list[Replayed]:
+            batch = self.engine.prefill_batch([(r.prompt_ids, r.completion_ids) for r in rollouts])
+            reps = replay_rollouts(rollouts, batch.logits, self.policy.support_tolerance)
+            if batch.rows.device.type == "cpu":  # toploc checks each proof later, per rollout
+                return [
+                    Replayed(rep, rows, weights_hash)
+                    for rep, rows in zip(reps, batch.rows.split(batch.sizes), strict=True)
+                ]
+            checks = check_proofs(
+                batch.rows,
+                batch.sizes,
+                [r.proof for r in rollouts],
+                [r.proof_params for r in rollouts],
+                self.policy,
+            )
+            return [
+                Replayed(rep, None, weights_hash, pc) for rep, pc in zip(reps, checks, strict=True)
+            ]
 
-        pre, reps = self._timed("verify", run)
-        return [
-            Replayed(rep, p.hidden_states, weights_hash) for rep, p in zip(reps, pre, strict=True)
-        ]
+        return self._timed("verify", run)
 
     async def verify(self, request: VerifyRequest) -> tuple[Verdict, bytes]:
         """Judge someone else's rollout; returns the verdict and its signed envelope."""
@@ -277,6 +308,7 @@ class Worker:
                         eos_ids=self.engine.eos_token_ids,
                         decode=lambda ids: tok.decode(ids, skip_special_tokens=False),
                         request=request.request,
+                        proof_check=done.proof_check,
                     ),
                 ),
             )

@@ -27,8 +27,8 @@ from collections.abc import Callable
 import torch
 
 from protocol.messages import CheckResult, Rollout, RolloutRequest, VerificationPolicy
-from verifier.proofs import check_proof
-from verifier.sampling import ReplayResult, RowParams, replay_rows
+from verifier.proofs import ProofCheck, check_proof
+from verifier.sampling import ReplayResult, RowLogits, RowParams, replay_spec, row_spec
 
 Decode = Callable[[list[int]], str]
 DEFAULT_EVIDENCE_CAP = 1.0  # `EvidencePolicy.cap` of a pool without per-node evidence
@@ -93,30 +93,50 @@ def check_termination(rollout: Rollout, eos_ids: frozenset[int], decode: Decode)
     return CheckResult(name="termination", passed=True)
 
 
-def replay_rollouts(
-    rollouts: list[Rollout], logits: list, p_slack: float
-) -> list[ReplayResult | None]:
-    """Replay the sampling of several rollouts in one batched pass over their logits
-    ([N_i, V] each, on any device); results come back on the CPU. None for a rollout with
-    a token id outside the vocabulary (it fails the support check without a replay)."""
-    ok = [i for i, r in enumerate(rollouts) if max(r.completion_ids) < logits[i].shape[-1]]
+def replay_rollouts(rollouts: list[Rollout], logits, p_slack: float) -> list[ReplayResult | None]:
+    """Replay the sampling of several rollouts in one batched pass over their logits: a list
+    of [N_i, V] tensors, or the rows of all of them in order ([sum N_i, V] tensor or
+    `verifier.sampling.RowLogits`); results come back on the CPU. None for a rollout with a
+    token id outside the vocabulary (it fails the support check without a replay)."""
+    if isinstance(logits, list):
+        sizes = [len(r.completion_ids) for r in rollouts]
+        ok = [i for i, r in enumerate(rollouts) if max(r.completion_ids) < logits[i].shape[-1]]
+        logits = torch.cat([logits[i] for i in ok]) if ok else None
+    else:
+        sizes = [len(r.completion_ids) for r in rollouts]
+        ok = [i for i, r in enumerate(rollouts) if max(r.completion_ids) < logits.shape[-1]]
+        if len(ok) < len(rollouts):  # keep only the rows of the rollouts replayed
+            starts = [sum(sizes[:i]) for i in range(len(rollouts))]
+            keep = (
+                torch.cat([torch.arange(starts[i], starts[i] + sizes[i]) for i in ok])
+                if ok
+                else None
+            )
+            logits = None if keep is None else _select_rows(logits, keep)
     out: list[ReplayResult | None] = [None] * len(rollouts)
     if not ok:
         return out
-    tokens, params, seeds, positions = [], [], [], []
-    for i in ok:
-        r, s = rollouts[i], rollouts[i].sampling
-        n = len(r.completion_ids)
-        tokens += r.completion_ids
-        params += [RowParams(s.temperature, s.top_k, s.top_p)] * n
-        seeds += [r.seed] * n
-        positions += range(n)
-    rep = replay_rows(torch.cat([logits[i] for i in ok]), tokens, params, seeds, positions, p_slack)
-    sizes = [len(rollouts[i].completion_ids) for i in ok]
-    cols = [t.cpu().split(sizes) for t in (rep.logprobs, rep.score_gap, rep.in_support)]
+    vocab = logits.shape[-1]
+    spec = row_spec(
+        [t for i in ok for t in rollouts[i].completion_ids],
+        [RowParams(s.temperature, s.top_k, s.top_p) for s in (rollouts[i].sampling for i in ok)],
+        [rollouts[i].seed for i in ok],
+        [sizes[i] for i in ok],
+        vocab,
+        torch.device(logits.device),
+    )
+    rep = replay_spec(logits, spec, p_slack)
+    kept = [sizes[i] for i in ok]
+    cols = [t.cpu().split(kept) for t in (rep.logprobs, rep.score_gap, rep.in_support)]
     for j, i in enumerate(ok):
         out[i] = ReplayResult(logprobs=cols[0][j], score_gap=cols[1][j], in_support=cols[2][j])
     return out
+
+
+def _select_rows(logits, keep: torch.Tensor):
+    if isinstance(logits, RowLogits):
+        return RowLogits(logits.rows[keep.to(logits.device)], logits.head, logits.shape[-1])
+    return logits[keep.to(logits.device)]
 
 
 def verify_rollout(
@@ -154,8 +174,10 @@ def check_rollout(
     eos_ids: frozenset[int],
     decode: Decode,
     request: RolloutRequest | None = None,
+    proof_check: ProofCheck | None = None,
 ) -> list[CheckResult]:
-    """Every check, given the rollout's replay; acceptable iff all results passed."""
+    """Every check, given the rollout's replay (and its proof's check, when it was made in
+    a batch: `verifier.proofs.check_proofs`); acceptable iff all results passed."""
     results = [
         check_request(rollout, request),
         check_weights(rollout, weights_hash),
@@ -211,7 +233,7 @@ def check_rollout(
         )
     )
 
-    pc = check_proof(hidden_states, rollout.proof, rollout.proof_params, policy)
+    pc = proof_check or check_proof(hidden_states, rollout.proof, rollout.proof_params, policy)
     results.append(
         CheckResult(
             name="proof",

@@ -73,7 +73,18 @@ CPU_NOISE_BLOCK_ELEMS = 2**18
 
 
 def _noise_block(keys: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
-    z = _mix_(keys[:, None] + idx[None, :])
+    return _gumbel(keys[:, None] + idx[None, :])
+
+
+def noise_at(keys: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+    """The noise of one vocabulary entry per row (`tokens` [R]) for row keys [R]: the same
+    values as the full rows' noise at those entries, without making the rows."""
+    return _gumbel(keys + tokens * _signed(_GOLDEN))
+
+
+def _gumbel(z: torch.Tensor) -> torch.Tensor:
+    """Gumbel noise of the counters `z` (int64, consumed)."""
+    z = _mix_(z)
     # Top 53 bits -> u in (0, 1) exactly representable in float64; in-place ops halve memory traffic.
     u = ((z >> 11) & ((1 << 53) - 1)).to(torch.float64)
     u.add_(0.5).mul_(2.0**-53)
@@ -163,11 +174,20 @@ def support_mask(
     vocab = scaled.shape[-1]
     if bool((top_k >= vocab).all()) and bool((top_p >= 1.0).all()):
         return None
+    if p_slack <= 0:
+        return strict_mask(scaled, top_k, top_p)
     sorted_vals, sorted_idx = scaled.sort(dim=-1, descending=True)
     keep = _kept_sorted(sorted_vals, top_k, top_p, p_slack)
-    if p_slack > 0:
-        floor = sorted_vals.masked_fill(~keep, float("inf")).min(dim=-1, keepdim=True).values
-        keep |= sorted_vals >= floor - _tie(p_slack)
+    floor = sorted_vals.masked_fill(~keep, float("inf")).min(dim=-1, keepdim=True).values
+    keep |= sorted_vals >= floor - _tie(p_slack)
+    return torch.zeros_like(keep).scatter(-1, sorted_idx, keep)
+
+
+def strict_mask(scaled: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    """Boolean [B, V]: the sampler's support (`support_mask` with no slack), always
+    materialised: no host-side shortcut, so a captured decode step can run it."""
+    sorted_vals, sorted_idx = scaled.sort(dim=-1, descending=True)
+    keep = _kept_sorted(sorted_vals, top_k, top_p, 0.0)
     return torch.zeros_like(keep).scatter(-1, sorted_idx, keep)
 
 
@@ -268,8 +288,72 @@ class ReplayResult:
     in_support: torch.Tensor  # [N] bool: claimed token inside the lenient top-k/top-p mask
 
 
-# Rows replayed per block: bounds the float64 noise temporaries to ~2**24 elements.
+# Rows replayed per block: bounds the float64 noise temporaries to ~2**24 elements. The
+# fused kernel makes no [rows, V] temporary, so it takes blocks as large as the logits of
+# one block may be (2**28 elements: 512 MiB of bf16).
 REPLAY_BLOCK_ELEMS = 2**24
+FUSED_BLOCK_ELEMS = 2**28
+
+
+class RowLogits:
+    """Logits of hidden-state rows made on demand, a block at a time: `head(rows[i:j])`.
+    Stands where a [N, V] logits tensor would, so a verifier never holds all of them."""
+
+    def __init__(self, rows: torch.Tensor, head, vocab: int):
+        self.rows, self.head = rows, head
+        self.shape = (rows.shape[0], vocab)
+        self.device = rows.device
+
+    def __getitem__(self, block: slice) -> torch.Tensor:
+        with torch.inference_mode():
+            return self.head(self.rows[block])
+
+
+@dataclass
+class RowSpec:
+    """Per-row replay inputs, on the logits' device: the claimed token, the sampling
+    parameters and the noise key of each row."""
+
+    tokens: torch.Tensor  # [N] int64
+    t: torch.Tensor  # [N] float32 temperature scale (1 for greedy)
+    top_k: torch.Tensor  # [N] int64 (vocab = no filter)
+    top_p: torch.Tensor  # [N] float32
+    stochastic: torch.Tensor  # [N] bool
+    keys: torch.Tensor  # [N] int64 row_key(seed, position)
+    filtering: torch.Tensor  # [N] bool: top-k or top-p removes something
+
+    def __getitem__(self, block: slice) -> RowSpec:
+        return RowSpec(*(getattr(self, f)[block] for f in self.__dataclass_fields__))
+
+
+def row_spec(
+    tokens: list[int],
+    params: list[RowParams],
+    seeds: list[int],
+    sizes: list[int],
+    vocab: int,
+    device: torch.device,
+) -> RowSpec:
+    """Rows of several completions: completion c has `sizes[c]` rows (positions 0..n-1),
+    sampled with `params[c]` and `seeds[c]`. Per-completion work in Python, per-row on
+    the device."""
+    t, k, p = _param_tensors(params, vocab, device)
+    n = torch.tensor(sizes, device=device)
+    rows = lambda x: x.repeat_interleave(n)  # noqa: E731 - per completion -> per row
+    starts = torch.cumsum(n, 0) - n
+    positions = torch.arange(int(n.sum()), device=device) - rows(starts)
+    seed_keys = torch.tensor(
+        [_signed(_splitmix_int(s)) for s in seeds], dtype=torch.int64, device=device
+    )
+    return RowSpec(
+        tokens=torch.tensor(tokens, dtype=torch.int64, device=device),
+        t=rows(t),
+        top_k=rows(k),
+        top_p=rows(p),
+        stochastic=rows(torch.tensor([x.temperature > 0 for x in params], device=device)),
+        keys=_mix_((rows(seed_keys) ^ positions) + _signed(_GOLDEN)),
+        filtering=rows((k < vocab) | (p < 1.0)),
+    )
 
 
 def replay(
@@ -277,7 +361,8 @@ def replay(
 ) -> ReplayResult:
     """Replay the choice of `tokens` (one per row of `logits` [N, V]) under one request's params."""
     n = logits.shape[0]
-    return replay_rows(logits, tokens, [param] * n, [seed] * n, list(range(n)), p_slack)
+    spec = row_spec(tokens, [param], [seed], [n], logits.shape[-1], logits.device)
+    return replay_spec(logits, spec, p_slack)
 
 
 def replay_rows(
@@ -290,18 +375,32 @@ def replay_rows(
 ) -> ReplayResult:
     """Replay rows of several completions at once: row r is position `positions[r]` of a
     completion sampled with `params[r]` and `seeds[r]` (batched replay: few kernel launches)."""
-    block = max(1, REPLAY_BLOCK_ELEMS // logits.shape[-1])
-    parts = [
-        _replay_block(
-            logits[i : i + block],
-            tokens[i : i + block],
-            params[i : i + block],
-            seeds[i : i + block],
-            positions[i : i + block],
-            p_slack,
-        )
-        for i in range(0, logits.shape[0], block)
-    ]
+    dev, vocab = logits.device, logits.shape[-1]
+    spec = row_spec(tokens, params, seeds, [1] * len(tokens), vocab, dev)
+    spec.keys = torch.tensor(
+        [row_key(s, p) for s, p in zip(seeds, positions, strict=True)], dtype=torch.int64
+    ).to(dev)
+    return replay_spec(logits, spec, p_slack)
+
+
+def replay_spec(logits, spec: RowSpec, p_slack: float) -> ReplayResult:
+    """Replay every row of `logits` ([N, V] tensor or `RowLogits`) against `spec`: on CUDA
+    with Triton, blocks whose rows do not filter go through the fused kernel (one pass over
+    the logits, no [rows, V] temporary); the rest through torch ops."""
+    from verifier.fused_sampling import triton_available
+
+    n, vocab = logits.shape
+    fused = triton_available(torch.device(logits.device))
+    block = max(1, (FUSED_BLOCK_ELEMS if fused else REPLAY_BLOCK_ELEMS) // vocab)
+    parts = []
+    for i in range(0, n, block):
+        lg, sp = logits[i : i + block], spec[i : i + block]
+        if fused and not bool(sp.filtering.any()):
+            parts.append(_replay_fused(lg, sp))
+            continue
+        step = max(1, REPLAY_BLOCK_ELEMS // vocab)
+        for j in range(0, lg.shape[0], step):
+            parts.append(_replay_block(lg[j : j + step], sp[j : j + step], p_slack))
     return ReplayResult(
         logprobs=torch.cat([r.logprobs for r in parts]),
         score_gap=torch.cat([r.score_gap for r in parts]),
@@ -309,30 +408,36 @@ def replay_rows(
     )
 
 
-def _replay_block(
-    logits: torch.Tensor,
-    tokens: list[int],
-    params: list[RowParams],
-    seeds: list[int],
-    positions: list[int],
-    p_slack: float,
-) -> ReplayResult:
+def _replay_fused(logits: torch.Tensor, spec: RowSpec) -> ReplayResult:
+    """Rows without filtering: the best perturbed score over the whole vocabulary."""
+    from verifier.fused_sampling import row_best_and_lse
+
+    best, _, lse = row_best_and_lse(logits, spec.t, spec.keys, spec.stochastic)
+    picked = logits.gather(-1, spec.tokens[:, None])[:, 0].float() / spec.t
+    claimed = picked + noise_at(spec.keys, spec.tokens) * spec.stochastic
+    return ReplayResult(
+        logprobs=picked - lse,
+        score_gap=best - claimed,
+        in_support=torch.ones_like(spec.stochastic),
+    )
+
+
+def _replay_block(logits: torch.Tensor, spec: RowSpec, p_slack: float) -> ReplayResult:
     logits = logits.float()
     n, vocab = logits.shape
-    t, k, p = _param_tensors(params, vocab, logits.device)
-    scaled = logits / t[:, None]
-    tok = torch.tensor(tokens, dtype=torch.int64, device=logits.device)[:, None]
+    scaled = logits / spec.t[:, None]
+    tok = spec.tokens[:, None]
+    k, p = spec.top_k, spec.top_p
     # Support: the lenient mask (a superset of any honest generator's). Best score: over the
     # core mask (a subset of any honest generator's), so the claimed token, the best of the
     # generator's support, can trail it only by numerical error.
     lenient = support_mask(scaled, k, p, p_slack)
     core = lenient if lenient is None or p_slack <= 0 else core_mask(scaled, k, p, p_slack)
     scores = scaled
-    stochastic = [x.temperature > 0 for x in params]
-    if any(stochastic):
-        noise = gumbel_noise(seeds, positions, vocab, logits.device)
-        if not all(stochastic):
-            noise *= torch.tensor(stochastic, device=logits.device)[:, None]
+    if bool(spec.stochastic.any()):
+        noise = _noise_from_keys(spec.keys, vocab)
+        if not bool(spec.stochastic.all()):
+            noise *= spec.stochastic[:, None]
         scores = scaled + noise
     best = (scores if core is None else scores.masked_fill(~core, float("-inf"))).max(dim=-1).values
     gap = best - scores.gather(-1, tok)[:, 0]

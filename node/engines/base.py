@@ -4,7 +4,7 @@ Invariants every implementation keeps:
 - Tokens are chosen by `verifier.sampling.sample` (seeded Gumbel-max over top-k/top-p
   filtered logits / T), so any verifier can replay them, whatever engine made them.
 - `GenerationResult.hidden_states[k]` is the last-layer (post-final-norm) hidden state
-  that produced completion token k; `PrefillResult` returns the same rows computed in one
+  that produced completion token k (on the CPU, or on the engine's GPU); `PrefillResult` returns the same rows computed in one
   forward pass over prompt + completion, so proofs from one engine verify on another.
 - Reported logprobs are under log_softmax(logits / T), T = 1 for greedy.
 - `load_weights` is applied between batches, never in the middle of one.
@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 from transformers import PreTrainedTokenizerBase
 
-from protocol.messages import FinishReason, SamplingParams
+from protocol.messages import FinishReason, ProofParams, SamplingParams
 
 
 @dataclass
@@ -29,6 +29,7 @@ class GenerationRequest:
     sampling: SamplingParams
     seed: int
     top_logprobs: int = 0  # alternatives to report per position (OpenAI surface only)
+    proof: ProofParams | None = None  # the proof layout its rollout needs (built by the worker)
 
 
 @dataclass
@@ -36,7 +37,7 @@ class GenerationResult:
     completion_ids: list[int]
     logprobs: list[float]
     finish_reason: FinishReason
-    hidden_states: torch.Tensor  # [N, H] on CPU, engine dtype
+    hidden_states: torch.Tensor  # [N, H], engine dtype, on CPU or the engine's device
     top_logprobs: list[list[tuple[int, float]]] | None = None  # per position, best first
 
 
@@ -44,6 +45,17 @@ class GenerationResult:
 class PrefillResult:
     logits: torch.Tensor  # [N, V] float32: row k produced completion token k
     hidden_states: torch.Tensor  # [N, H] on CPU, engine dtype
+
+
+@dataclass
+class PrefillBatch:
+    """The verifier's side of several (prompt, completion) items from one forward pass."""
+
+    rows: torch.Tensor  # [sum N_i, H] hidden rows in item order, on the engine's device
+    sizes: list[int]  # N_i: completion tokens of item i
+    # [sum N_i, V] logits of those rows: a tensor, or `verifier.sampling.RowLogits` that
+    # makes them a block at a time
+    logits: object
 
 
 def hash_weights_dir(path: str | Path) -> str:
@@ -76,6 +88,15 @@ class InferenceEngine(ABC):
     def prefill(self, items: list[tuple[list[int], list[int]]]) -> list[PrefillResult]:
         """For each (prompt_ids, completion_ids): logits and hidden states of the rows that
         produced the completion tokens, from one forward pass (no sampling)."""
+
+    def prefill_batch(self, items: list[tuple[list[int], list[int]]]) -> PrefillBatch:
+        """`prefill` with every item's rows and logits in one tensor each, in item order."""
+        pre = self.prefill(items)
+        return PrefillBatch(
+            rows=torch.cat([p.hidden_states for p in pre]),
+            sizes=[p.logits.shape[0] for p in pre],
+            logits=torch.cat([p.logits for p in pre]),
+        )
 
     @abstractmethod
     def load_weights(self, path: str | Path, version: int, weights_hash: str = "") -> None:

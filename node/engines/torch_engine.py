@@ -1,9 +1,11 @@
 """The `torch` engine: a transformers causal LM driven by our own decode loop.
 
-Batched generation with a KV cache (left-padded prompts, one forward per step), seeded
-sampling from `verifier.sampling`, stop on EOS / stop strings / max_tokens, and capture of
+Two decode paths, chosen by `EngineConfig.decode`: on a GPU, continuous batching over a
+static KV cache with CUDA graphs (`node.engines.slot_decode`); on a CPU, batched generation
+with transformers' growing cache (left-padded prompts, one forward per step). Both use the
+seeded sampling of `verifier.sampling`, stop on EOS / stop strings / max_tokens, and keep
 the last-layer hidden state of every step for proofs; a prefill-only path (right-padded
-batch, no cache) for verification. Runs on CPU and CUDA.
+batch, no cache) serves verification.
 
 Invariants: see `node.engines.base`. In addition, weights are swapped under the engine
 lock, so a batch never mixes two versions.
@@ -22,11 +24,13 @@ from node.engines.base import (
     GenerationRequest,
     GenerationResult,
     InferenceEngine,
+    PrefillBatch,
     PrefillResult,
     hash_weights_dir,
 )
+from node.engines.slot_decode import SlotDecoder, supports
 from verifier.models import load_tokenizer, resolve_model
-from verifier.sampling import BatchSampler, RowParams
+from verifier.sampling import BatchSampler, RowLogits, RowParams
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -83,6 +87,7 @@ class TorchEngine(InferenceEngine):
         if self.pad_id is None:
             self.pad_id = next(iter(self.eos_token_ids), 0)
         self.lock = threading.Lock()
+        self._slots: SlotDecoder | None = None  # built on first use (it allocates the KV cache)
         self.weights_version = 0
         self.weights_hash = hash_weights_dir(self.model_path)
 
@@ -116,7 +121,41 @@ class TorchEngine(InferenceEngine):
     @torch.inference_mode()
     def generate(self, requests: list[GenerationRequest]) -> list[GenerationResult]:
         with self.lock:
-            return self._generate(requests)
+            slots = self._slot_decoder(requests)
+            if slots is None:
+                return self._generate(requests)
+            done = dict(slots.run(enumerate(requests), self._stop_hit))
+            return [done[i] for i in range(len(requests))]
+
+    def _stop_hit(self, request: GenerationRequest):
+        return _StopWatcher(self.tokenizer, request.sampling.stop).hit
+
+    def _slot_decoder(self, requests: list[GenerationRequest]) -> SlotDecoder | None:
+        """The continuous-batching decoder, when the config asks for it and it can serve
+        these requests (alternatives per position are only reported by the loop)."""
+        cfg = self.config
+        mode = (
+            cfg.decode
+            if cfg.decode != "auto"
+            else "slots"
+            if self.device.type == "cuda"
+            else "loop"
+        )
+        if mode == "loop" or not supports(self.model) or any(r.top_logprobs for r in requests):
+            return None
+        if any(len(r.prompt_ids) + r.sampling.max_tokens > cfg.max_model_len for r in requests):
+            return None
+        if self._slots is None:
+            self._slots = SlotDecoder(
+                self.model,
+                slots=cfg.max_batch_size,
+                max_len=cfg.max_model_len,
+                max_new=cfg.max_model_len,
+                eos_ids=self.eos_token_ids,
+                window=cfg.decode_window,
+                graphs=cfg.cuda_graphs and self.device.type == "cuda",
+            )
+        return self._slots
 
     def _forward(self, input_ids, attention_mask, position_ids, cache) -> torch.Tensor:
         out = self.base(
@@ -204,6 +243,19 @@ class TorchEngine(InferenceEngine):
     @torch.inference_mode()
     def prefill(self, items: list[tuple[list[int], list[int]]]) -> list[PrefillResult]:
         """Logits stay on the engine's device (the checks run there); hidden rows go to CPU."""
+        batch = self.prefill_batch(items)
+        logits = batch.logits[:].float()
+        hidden = batch.rows.cpu()
+        return [
+            PrefillResult(lg, h)
+            for lg, h in zip(logits.split(batch.sizes), hidden.split(batch.sizes), strict=True)
+        ]
+
+    @torch.inference_mode()
+    def prefill_batch(self, items: list[tuple[list[int], list[int]]]) -> PrefillBatch:
+        """One forward over the right-padded batch; the rows that produced completion
+        tokens are gathered with one index and stay on the device, and their logits are
+        made a block at a time by whoever reads them (`RowLogits`)."""
         with self.lock:
             seqs = [p + c[:-1] for p, c in items]
             width = max(len(s) for s in seqs)
@@ -215,17 +267,12 @@ class TorchEngine(InferenceEngine):
             out = self.base(
                 input_ids=ids.to(self.device), attention_mask=mask.to(self.device), use_cache=False
             )
-            # Only the rows that produced completion tokens go through the output layer, at once.
-            rows = torch.cat(
-                [
-                    out.last_hidden_state[i, len(p) - 1 : len(p) - 1 + len(c)]
-                    for i, (p, c) in enumerate(items)
-                ]
-            )
-            logits = self.lm_head(rows).float()
-            hidden = rows.cpu()
             sizes = [len(c) for _, c in items]
-            return [
-                PrefillResult(lg, h)
-                for lg, h in zip(logits.split(sizes), hidden.split(sizes), strict=True)
-            ]
+            # Row k of item i is position len(prompt_i) - 1 + k of its sequence.
+            first = torch.tensor([i * width + len(p) - 1 for i, (p, _) in enumerate(items)])
+            n = torch.tensor(sizes)
+            idx = torch.arange(int(n.sum())) - (torch.cumsum(n, 0) - n).repeat_interleave(n)
+            idx += first.repeat_interleave(n)
+            hidden = out.last_hidden_state.reshape(-1, out.last_hidden_state.shape[-1])
+            rows = hidden[idx.to(self.device)]
+            return PrefillBatch(rows, sizes, RowLogits(rows, self.lm_head, self.vocab_size))
