@@ -1,0 +1,84 @@
+"""The slot decode (`node.engines.slot_decode`) on a CPU: what a user of the engine sees is
+what the loop decode gives, request for request, while requests join and leave slots.
+
+On a CPU in fp32 both decodes compute the same logits to rounding, so every sampler choice
+(top-k, top-p, temperature, greedy), every stop (EOS, stop string, max_tokens) and every
+claimed logprob must agree; the rollouts must pass the engine's own verification. The GPU
+half (CUDA graphs, the fused kernel) is in test_gpu_paths.py.
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from node.config import EngineConfig
+from node.engines.base import GenerationRequest
+from node.engines.torch_engine import TorchEngine
+from protocol.messages import SamplingParams
+
+
+@pytest.fixture(scope="module")
+def engines():
+    loop = TorchEngine(EngineConfig(model="tiny", decode="loop"))
+    slots = TorchEngine(
+        EngineConfig(
+            model="tiny", decode="slots", max_batch_size=6, max_model_len=256, decode_window=3
+        )
+    )
+    return loop, slots
+
+
+def _requests(n: int, vocab: int, seed: int = 0) -> list[GenerationRequest]:
+    rng = random.Random(seed)
+    kinds = [
+        {},
+        {"top_k": 5},
+        {"top_p": 0.8, "temperature": 0.7},
+        {"temperature": 0.0},
+        {"stop": ["e"]},
+        {"ignore_eos": True, "top_k": 40, "top_p": 0.95},
+    ]
+    out = []
+    for i in range(n):
+        prompt = [rng.randrange(3, vocab) for _ in range(rng.randrange(1, 30))]
+        sp = SamplingParams(max_tokens=rng.randrange(1, 60), **kinds[i % len(kinds)])
+        out.append(GenerationRequest(prompt, sp, seed=rng.randrange(2**40)))
+    return out
+
+
+def test_slot_decode_gives_the_loop_decodes_completions(engines):
+    loop, slots = engines
+    reqs = _requests(30, loop.vocab_size)  # 30 requests through 6 slots: they join as others end
+    expected = [loop.generate([r])[0] for r in reqs]
+    got = slots.generate(reqs)
+    assert slots._slots is not None and slots._slots.steps_run > 0
+    for r, x, y in zip(reqs, expected, got, strict=True):
+        assert y.completion_ids == x.completion_ids, r.sampling
+        assert y.finish_reason == x.finish_reason
+        assert len(y.logprobs) == len(y.completion_ids) == y.hidden_states.shape[0]
+        assert torch.allclose(torch.tensor(y.logprobs), torch.tensor(x.logprobs), atol=1e-4)
+        assert torch.allclose(y.hidden_states, x.hidden_states, atol=1e-4)
+    # The stop-string requests stopped at "e" or ran to their length.
+    for r, y in zip(reqs, got, strict=True):
+        if r.sampling.stop and y.finish_reason == "stop":
+            assert "e" in slots.tokenizer.decode(y.completion_ids)
+
+
+def test_a_slot_freed_early_takes_the_next_request(engines):
+    """Short and long requests mixed: the decoder runs fewer steps than batches of its
+    slot count, each waiting for its longest, would have."""
+    _, slots = engines
+    sp_long = SamplingParams(max_tokens=48, ignore_eos=True)
+    sp_short = SamplingParams(max_tokens=4, ignore_eos=True)
+    reqs = [
+        GenerationRequest([5, 6, 7], sp_long if i % 6 == 0 else sp_short, seed=i) for i in range(24)
+    ]
+    before = slots._slots.steps_run if slots._slots else 0
+    got = slots.generate(reqs)
+    steps = slots._slots.steps_run - before
+    assert [len(g.completion_ids) for g in got] == [r.sampling.max_tokens for r in reqs]
+    # Four batches of six, each as long as its 48-token request: 4 x 48 steps.
+    assert steps < 4 * 48 / 2, steps
