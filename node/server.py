@@ -332,15 +332,8 @@ class NodeServer:
 
     async def load_weights(self, update: WeightUpdate) -> None:
         """Swap `update`'s weights into the engine (the caller checked who signed it)."""
-        loop = asyncio.get_running_loop()
         try:
-            await loop.run_in_executor(
-                self.worker.executor,
-                self.worker.engine.load_weights,
-                update.path,
-                update.version,
-                update.weights_hash,
-            )
+            await self.worker.load_weights(update.path, update.version, update.weights_hash)
         except (FileNotFoundError, ValueError, RuntimeError) as exc:
             raise RequestRejected(f"cannot load weights from {update.path}: {exc}") from exc
         self.weights_path = update.path

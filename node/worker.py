@@ -128,8 +128,14 @@ class Worker:
         self.pool_id = pool_id
         self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="engine")
         self.proofs = ProofPool(proof_processes)
+        self.swaps_waiting = 0  # weight swaps queued behind the running generation
         self.gen_batcher: Batcher[GenerationRequest, Generated] = Batcher(
-            self._generate_batch, self.executor, max_batch_size, batch_wait_s
+            self._generate_stream,
+            self.executor,
+            max_batch_size,
+            batch_wait_s,
+            streaming=True,
+            hold=lambda: self.swaps_waiting > 0,
         )
         self.prefill_batcher: Batcher[Rollout, Replayed] = Batcher(
             self._prefill_and_replay, self.executor, max_batch_size, batch_wait_s
@@ -213,13 +219,31 @@ class Worker:
         self.stats["generated_tokens"] += len(result.completion_ids)
         return SignedRollout(rollout, seal(self.identity, rollout, ttl_s=3600), result.top_logprobs)
 
-    def _generate_batch(self, requests: list[GenerationRequest]) -> list[Generated]:
-        """Engine thread: the version read here is the one the batch runs with (swaps happen
-        on this thread too, between batches)."""
+    def _generate_stream(self, requests: list[GenerationRequest], more, deliver) -> None:
+        """Engine thread: one continuous-batching run; requests queued meanwhile join it
+        (`Batcher` streaming mode). The version read here is the one the run uses: a swap
+        waits on this thread, and `more` hands out nothing once one is waiting."""
         version, weights_hash = self.engine.weights_version, self.engine.weights_hash
-        results = self._timed("generate", lambda: self.engine.generate(requests))
+        handed = dict(enumerate(requests))
+
+        def more_(k: int) -> list[tuple[int, GenerationRequest]]:
+            got = more(k)
+            handed.update(got)
+            return got
+
+        def emit(group: list[tuple[int, GenerationResult]]) -> None:
+            proofs = self._proofs_on_device([handed[i] for i, _ in group], [r for _, r in group])
+            for (i, result), proof in zip(group, proofs, strict=True):
+                deliver(i, Generated(result, version, weights_hash, proof))
+
+        self._timed("generate", lambda: self.engine.generate_stream(requests, more_, emit))
+
+    def _proofs_on_device(
+        self, requests: list[GenerationRequest], results: list[GenerationResult]
+    ) -> list[list[bytes] | None]:
+        """Rows an engine left on its GPU: every proof of the group in one batched pass
+        there (None where the rows are on the CPU: `ProofPool` builds those)."""
         proofs: list[list[bytes] | None] = [None] * len(results)
-        # Rows an engine left on its GPU: every proof of the batch in one pass there.
         on_gpu = [
             i
             for i, (q, r) in enumerate(zip(requests, results, strict=True))
@@ -228,13 +252,21 @@ class Worker:
         if on_gpu:
             rows = torch.cat([results[i].hidden_states for i in on_gpu])
             sizes = [results[i].hidden_states.shape[0] for i in on_gpu]
-            layouts = [requests[i].proof for i in on_gpu]
-            built = self._timed("generate", lambda: build_proofs(rows, sizes, layouts))
+            built = build_proofs(rows, sizes, [requests[i].proof for i in on_gpu])
             for i, proof in zip(on_gpu, built, strict=True):
                 proofs[i] = proof
-        return [
-            Generated(r, version, weights_hash, p) for r, p in zip(results, proofs, strict=True)
-        ]
+        return proofs
+
+    async def load_weights(self, path, version: int, weights_hash: str) -> None:
+        """Swap weights on the engine thread, between generation runs: a running one stops
+        taking new requests, finishes the ones it holds, then the swap runs."""
+        self.swaps_waiting += 1
+        try:
+            await asyncio.get_running_loop().run_in_executor(
+                self.executor, self.engine.load_weights, path, version, weights_hash
+            )
+        finally:
+            self.swaps_waiting -= 1
 
     # -- verification --------------------------------------------------------------
     def _prefill_and_replay(self, rollouts: list[Rollout]) -> list[Replayed]:

@@ -302,7 +302,7 @@ class _CheatEngineWorker(_worker_base()):
     def _cheat_engine(self, engine):
         raise NotImplementedError
 
-    def _generate_batch(self, requests):
+    def _generate_stream(self, requests, more, deliver):
         from node.worker import Generated
 
         # Engine thread: weight swaps run on it too, so the copy cannot race a load.
@@ -310,7 +310,8 @@ class _CheatEngineWorker(_worker_base()):
         if self._cheat is None or self._cheat_for != real.weights_hash:
             self._cheat, self._cheat_for = self._cheat_engine(real), real.weights_hash
         version, weights_hash = real.weights_version, real.weights_hash
-        return [Generated(r, version, weights_hash) for r in self._cheat.generate(requests)]
+        for i, r in enumerate(self._cheat.generate(requests)):
+            deliver(i, Generated(r, version, weights_hash))
 
 
 def _with_model(engine, model):
@@ -320,6 +321,7 @@ def _with_model(engine, model):
     bad.dtype = next(model.parameters()).dtype
     bad.base = model.get_decoder()
     bad.lm_head = model.get_output_embeddings()
+    bad._slots = None  # a slot decoder of its own, over the cheat model
     return bad
 
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import hashlib
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -83,6 +84,17 @@ class InferenceEngine(ABC):
     @abstractmethod
     def generate(self, requests: list[GenerationRequest]) -> list[GenerationResult]:
         """Generate one completion per request (batched)."""
+
+    def generate_stream(
+        self,
+        requests: list[GenerationRequest],
+        more: Callable[[int], list[tuple[int, GenerationRequest]]],
+        emit: Callable[[list[tuple[int, GenerationResult]]], None],
+    ) -> None:
+        """Generate `requests` (numbered 0..n-1) and whatever `more(k)` hands over while it
+        runs (numbered by the caller), passing finished results to `emit` in groups as they
+        end. An engine without continuous batching runs `requests` as one batch."""
+        emit(list(enumerate(self.generate(requests))))
 
     @abstractmethod
     def prefill(self, items: list[tuple[list[int], list[int]]]) -> list[PrefillResult]:

@@ -272,9 +272,9 @@ class SlotDecoder:
         pending: Iterator[tuple[object, GenerationRequest]],
         stop_hit: Callable[[GenerationRequest], Callable[[list[int]], bool]],
         more: Callable[[int], list[tuple[object, GenerationRequest]]] | None = None,
-    ) -> Iterator[tuple[object, GenerationResult]]:
+    ) -> Iterator[list[tuple[object, GenerationResult]]]:
         """Decode every request of `pending` (and of `more(free_slots)`, asked at each
-        readback), yielding (key, result) as each one finishes."""
+        readback), yielding the (key, result) pairs that finished at each readback."""
         queue = list(pending)
         queue.reverse()  # pop() takes them in order
         live: dict[int, _Live] = {}
@@ -303,7 +303,9 @@ class SlotDecoder:
             else:
                 cur = None
             if prev is not None:
-                yield from self._settle(prev, live)
+                done = list(self._settle(prev, live))
+                if done:
+                    yield done
             prev = cur
 
     def _admit(self, free, queue, live, stop_hit) -> None:

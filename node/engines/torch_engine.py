@@ -124,8 +124,35 @@ class TorchEngine(InferenceEngine):
             slots = self._slot_decoder(requests)
             if slots is None:
                 return self._generate(requests)
-            done = dict(slots.run(enumerate(requests), self._stop_hit))
+            done = dict(
+                x for group in slots.run(enumerate(requests), self._stop_hit) for x in group
+            )
             return [done[i] for i in range(len(requests))]
+
+    @torch.inference_mode()
+    def generate_stream(self, requests, more, emit) -> None:
+        """Continuous batching with the slot decoder: requests `more` hands over join as slots
+        free; a request only the loop decode serves waits for the end of the slot run."""
+        with self.lock:
+            slots = self._slot_decoder(requests)
+        if slots is None:
+            emit(list(enumerate(self.generate(requests))))
+            return
+        later: list[tuple[int, GenerationRequest]] = []
+
+        def admissible(k: int) -> list[tuple[int, GenerationRequest]]:
+            got = more(k)
+            ok = [(i, r) for i, r in got if self._slot_decoder([r]) is slots]
+            later.extend(x for x in got if x not in ok)
+            return ok
+
+        with self.lock:
+            for group in slots.run(enumerate(requests), self._stop_hit, admissible):
+                emit(group)
+        if later:
+            emit(
+                list(zip([i for i, _ in later], self.generate([r for _, r in later]), strict=True))
+            )
 
     def _stop_hit(self, request: GenerationRequest):
         return _StopWatcher(self.tokenizer, request.sampling.stop).hit

@@ -82,3 +82,47 @@ def test_a_slot_freed_early_takes_the_next_request(engines):
     assert [len(g.completion_ids) for g in got] == [r.sampling.max_tokens for r in reqs]
     # Four batches of six, each as long as its 48-token request: 4 x 48 steps.
     assert steps < 4 * 48 / 2, steps
+
+
+def test_a_worker_answers_short_requests_while_a_long_one_runs(engines):
+    """Requests reaching a worker while its engine generates join the running batch
+    (`Batcher` streaming mode): a short request sent after a long one is answered first,
+    and a weight swap waits only for the requests already taken."""
+    import asyncio
+
+    from node.worker import Worker
+    from protocol.identity import Identity
+    from protocol.messages import RolloutRequest, VerificationPolicy
+
+    _, slots = engines
+    worker = Worker(
+        slots,
+        Identity.generate(),
+        VerificationPolicy(),
+        max_batch_size=6,
+        batch_wait_s=0.0,
+        max_model_len=256,
+    )
+
+    def req(i: int, n: int) -> RolloutRequest:
+        sp = SamplingParams(max_tokens=n, ignore_eos=True)
+        return RolloutRequest(request_id=f"r{i}", prompt_ids=[5, 6, 7], sampling=sp, seed=i)
+
+    async def main() -> list[str]:
+        worker.start()
+        order: list[str] = []
+
+        async def one(r: RolloutRequest) -> None:
+            signed = await worker.generate(r)
+            assert len(signed.rollout.completion_ids) == r.sampling.max_tokens
+            order.append(r.request_id)
+
+        long = asyncio.create_task(one(req(0, 200)))
+        await asyncio.sleep(0.3)  # the long request is decoding when the short ones arrive
+        await asyncio.gather(long, *(one(req(i, 3)) for i in range(1, 13)))
+        await worker.stop()
+        return order
+
+    order = asyncio.run(main())
+    assert order[-1] == "r0", order
+    assert len(order) == 13
