@@ -448,7 +448,15 @@ def load_engine(args, tmp: Path) -> TorchEngine:
         from tests.bench.bench_node import build_random_smollm2
 
         model = str(build_random_smollm2(tmp / "smollm2-random", args.seed))
-    return TorchEngine(EngineConfig(model=model, device=args.device, dtype=args.dtype))
+    cfg = EngineConfig(
+        model=model,
+        device=args.device,
+        dtype=args.dtype,
+        decode=args.decode,
+        max_batch_size=max(args.gen_batch or 16, 16),
+        max_model_len=1024,
+    )
+    return TorchEngine(cfg)
 
 
 def make_cheat(name: str, engine: TorchEngine) -> TorchEngine:
@@ -474,6 +482,8 @@ def main(argv=None) -> int:
     add("--verify-batch", type=int, default=8)
     add("--strategies", default=",".join(ALL_STRATEGIES))
     add("--seed", type=int, default=0)
+    add("--judge", default=str(SHIPPED_TOML), help="the thresholds of 'rej shipped'")
+    add("--decode", default="auto", choices=["auto", "slots", "loop"], help="EngineConfig.decode")
     add("--deadline-s", type=float, default=0, help="stop generating after this many seconds")
     add("--out", help="output prefix (default tests/bench/results/trust_stats_<device>_<model>)")
     add("--quick", action="store_true", help="smoke mode: a handful of short rollouts")
@@ -496,7 +506,7 @@ def main(argv=None) -> int:
     prefix = Path(
         args.out or REPO / "tests" / "bench" / "results" / f"trust_stats_{args.device}_{args.model}"
     )
-    shipped = VerificationPolicy(**tomllib.loads(SHIPPED_TOML.read_text())["verification"])
+    shipped = VerificationPolicy(**tomllib.loads(Path(args.judge).read_text())["verification"])
     policies = {"shipped_tiny_cpu_fp32": shipped, "default": VerificationPolicy()}
     t0 = time.monotonic()
     deadline = t0 + args.deadline_s if args.deadline_s else 0
