@@ -229,7 +229,7 @@ class NodeBench:
             self.policy = VerificationPolicy(**toml)
         self.proof_params = ProofParams()
         runs = len(args.batch_sizes) * len(args.lengths)
-        mixes = len(args.batch_sizes) if args.mix else 0
+        mixes = 1 if args.mix else 0
         self.step, self.steps, self.t0 = 0, 4 * runs + mixes, time.perf_counter()
 
     def phase(self, what: str) -> None:
@@ -284,7 +284,8 @@ class NodeBench:
         row = Row(batch_size=b, gen_tokens=b * n, max_tokens=n)
 
         self.phase(f"B={b}, {n} tokens: warm-up")
-        self.engine_generate(b, min(n, 8))
+        # The slot decode captures a CUDA graph per length bucket on first use: warm them all.
+        self.engine_generate(b, n if self.engine_steps() or self.device.type == "cuda" else 8)
         self.hf_generate(b, min(n, 8))
 
         self.phase(f"B={b}, {n} tokens: generation, engine vs HF")
@@ -376,7 +377,7 @@ class NodeBench:
         return verdicts, proof_s
 
     def run_mix(self, b: int, n: int) -> dict:
-        """Continuous batching: 3 x B requests whose lengths are spread over [n/8, n]
+        """Continuous batching (at the largest B): 3 x B requests whose lengths are spread over [n/8, n]
         (ignore_eos), through the engine at once (a request joins when a slot frees),
         through the engine in batches of B (each waits for its longest), and through HF
         `generate` in batches of B (each to its longest). Useful tokens/s of each."""
@@ -410,6 +411,7 @@ class NodeBench:
                 **HF_SAMPLING,
             )
 
+        self.engine.generate(reqs)  # warm-up: the graphs of every slot count it passes through
         runs = measure(
             self.device,
             1,
@@ -747,7 +749,7 @@ def main(argv: list[str] | None = None) -> int:
     cuda_load = torch.cuda.max_memory_allocated(device) if cuda else None
     bench = NodeBench(engine, args)
     rows = [bench.run_batch(b, n) for n in args.lengths for b in args.batch_sizes]
-    mixes = [bench.run_mix(b, args.max_tokens) for b in args.batch_sizes] if args.mix else []
+    mixes = [bench.run_mix(max(args.batch_sizes), args.max_tokens)] if args.mix else []
     rss_runs = peak_rss_bytes()
     cuda_all = None
     if cuda:  # peaks were reset per run: the overall one is the largest seen
