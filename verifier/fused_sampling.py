@@ -38,14 +38,10 @@ _BLOCK = 1024
 _PROGRAMS_PER_SM = 4
 
 
-@functools.cache
-def _triton_imports() -> bool:
-    return triton is not None
-
-
 def triton_available(device: torch.device) -> bool:
-    """True when `device` is a CUDA device and Triton imports (the fused kernel runs)."""
-    return torch.device(device).type == "cuda" and _triton_imports()
+    """True when `device` is a CUDA device and Triton imports (the fused kernel runs); the
+    import is tried once, when this module loads."""
+    return triton is not None and torch.device(device).type == "cuda"
 
 
 def row_best_and_lse(
@@ -114,6 +110,7 @@ def _row_best_and_lse_triton(
     stochastic: torch.Tensor,
     sm_count: int,
     block: int = _BLOCK,
+    num_warps: int = 4,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Launch the fused kernel on the tensors' device: CUDA, or CPU tensors under Triton's
     interpreter (TRITON_INTERPRET=1 set before this module is imported; tests only)."""
@@ -141,7 +138,7 @@ def _row_best_and_lse_triton(
             seg_len,
             segs,
             BLOCK=block,
-            num_warps=4,
+            num_warps=num_warps,
         )
     # Segments are in index order, so the first segment holding the maximum holds its first index.
     seg = seg_best.argmax(dim=1, keepdim=True)

@@ -18,9 +18,10 @@ Invariants:
   here gives toploc's coefficients whatever order it works in.
 - Verify: the numbers are those of toploc's C++ path (`verify_proofs_bytes` on a 2-D tensor
   with skip_prefill), including its Horner evaluation of coefficients that are not
-  reduced mod 65497 and of moduli other than 65497. A proof toploc cannot check (wrong
-  chunk count, wrong chunk size, modulus 0, or a chunk of fewer than `topk` values: the
-  last three abort toploc's process) gives None.
+  reduced mod 65497 and of moduli other than 65497. A proof of the wrong shape (chunk
+  count, chunk size), with a modulus 0, or over a chunk of fewer than `topk` values gives
+  None: toploc's C++ verify aborts the whole process on a chunk too many, a modulus 0
+  (SIGFPE) or a chunk too small, and silently checks fewer chunks or other sizes.
 - Identity with toploc holds when the top-k runs on the CPU; on a GPU the top-k may pick
   another of several exactly tied values at the k-th place (a different, equally valid
   proof), and everything after the top-k is exact integer arithmetic on every device.
@@ -60,12 +61,13 @@ def _inverses(device: torch.device) -> torch.Tensor:
 
 
 def _reduce(a: torch.Tensor) -> torch.Tensor:
-    """A value congruent to `a` mod MOD_N in about [-MOD_N/2, MOD_N/2], for integer-valued
-    float64 |a| < 2**40. Exact: the quotient only needs to be near a / MOD_N, and q * MOD_N
-    and the difference are integers below 2**53. float64 because int64 % is a scalar
-    division per element on the CPU (and slow on GPUs), while this is a few fused-able
-    multiply/round ops; products of two reduced values stay below 2**32."""
-    return a - torch.round(a * (1.0 / MOD_N)) * MOD_N
+    """In place: a value congruent to `a` mod MOD_N, in about [-MOD_N/2, MOD_N/2], for
+    integer-valued float64 |a| < 2**40. Exact: the quotient only needs to be near
+    a / MOD_N, and q * MOD_N and the difference are integers below 2**53. Products of two
+    reduced values stay below 2**32. float64 rather than int64 because int64 % is a
+    scalar division per element on the CPU (about 3x slower here, and slow on GPUs too)."""
+    q = torch.mul(a, 1.0 / MOD_N).round_()
+    return a.sub_(q, alpha=MOD_N)  # in place: callers pass temporaries
 
 
 def _canonical(a: torch.Tensor) -> torch.Tensor:
@@ -142,7 +144,7 @@ def _interpolate(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     inv = _inverses(x.device)
     n = x.shape[1]
     x_shift = x + (MOD_N - 1)  # x_i - x_j + MOD_N - 1 indexes the signed inverse table
-    dd = _reduce(y.to(torch.float64))
+    dd = _reduce(y.to(torch.float64, copy=True))
     for k in range(1, n):  # divided differences, each level over all chunks at once
         slot = (x_shift[:, k:] - x[:, :-k]).reshape(-1)
         inv_den = torch.gather(inv, 0, slot).view(-1, n - k)

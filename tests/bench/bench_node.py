@@ -166,6 +166,7 @@ class Row:
     gen_tokens: int
     max_tokens: int = 0
     engine_steps: int = 0  # decode steps of one timed engine run (slot decode), else max_tokens
+    graph_step_ms: float = 0.0  # one captured decode step replayed alone (GPU time of a step)
     engine_gen_s: float = 0.0
     hf_gen_s: float = 0.0
     prefill_tokens: int = 0
@@ -296,6 +297,13 @@ class NodeBench:
         row.engine_steps = (self.engine_steps() - s0) // a.repeats or n
         _, row.hf_gen_s, row.cuda_peak_hf_gen_bytes = hf
         assert all(len(r.completion_ids) == n for r in results)
+        row.graph_step_ms = self.graph_step_ms(b)
+        console.print(
+            f"  engine {row.gen_tokens / row.engine_gen_s:,.0f} tok/s "
+            f"({1e3 * row.engine_gen_s / max(1, row.engine_steps):.2f} ms a step, "
+            f"{row.engine_steps} steps; captured step alone {row.graph_step_ms:.2f} ms), "
+            f"HF {row.gen_tokens / row.hf_gen_s:,.0f} tok/s: {row.hf_gen_s / row.engine_gen_s:.2f}x"
+        )
 
         self.phase(f"B={b}, {n} tokens: build proofs (as the worker does)")
         [(proofs, row.proof_build_s, _)] = measure(dev, a.repeats, lambda: self.build_all(results))
@@ -338,7 +346,34 @@ class NodeBench:
         row.check_proof_s = statistics.median(timings["proof"])
         row.accepted = sum(all(c.passed for c in v) for v in verdicts)
         row.failed_checks = dict(Counter(c.name for v in verdicts for c in v if not c.passed))
+        d = row.derived()
+        console.print(
+            f"  proofs {row.proof_build_s:.3f} s ({d['proof_overhead']:.2%} of generation; "
+            f"toploc on the CPU would be {d['toploc_cpu_over_gen']:.1%}); verification "
+            f"{d['verify_tok_s']:,.0f} tok/s = {d['verify_over_forward']:.2f}x a plain forward "
+            f"(prefill {row.engine_prefill_s:.3f} s, checks {row.checks_s:.3f} s, proofs "
+            f"{row.check_proof_s:.3f} s); verify/gen {d['verify_over_generation']:.3f}; "
+            f"accepted {row.accepted}/{b} {row.failed_checks or ''}"
+        )
         return row
+
+    def graph_step_ms(self, b: int) -> float:
+        """GPU time of one decode step: the largest captured graph of this batch's slot
+        bucket replayed 20 times (the slots' state after a run is stale: harmless)."""
+        slots = getattr(self.engine, "_slots", None)
+        if slots is None or not slots.graphs:
+            return 0.0
+        bucket = next(x for x in slots.slot_buckets if x >= b)
+        keys = [k for k in slots._graphs if k[0] == bucket]
+        if not keys:
+            return 0.0
+        graph = slots._graphs[max(keys, key=lambda k: k[1])]
+        sync(self.device)
+        t0 = time.perf_counter()
+        for _ in range(20):
+            graph.replay()
+        sync(self.device)
+        return 1e3 * (time.perf_counter() - t0) / 20
 
     def build_all(self, results: list[GenerationResult]) -> list[list[bytes]]:
         """What the worker does after a generation batch: on a GPU every proof in one
