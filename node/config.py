@@ -62,11 +62,13 @@ class EngineConfig(Section):
     them in a thread of the worker. toploc holds the GIL while it builds, so on a GPU, where
     the engine thread's Python work bounds decoding, a few processes keep proofs off its
     path; on a CPU the engine already uses every core."""
-    decode: Literal["auto", "slots", "loop"] = "auto"
-    """Torch engine's decode: 'slots' keeps a static KV cache of `max_batch_size` slots by
-    `max_model_len` positions and joins requests as slots free (continuous batching, CUDA
-    graphs on a GPU; `node.engines.slot_decode`); 'loop' runs transformers' forward with a
-    growing cache, one host sync per token; 'auto' is 'slots' on CUDA, 'loop' on a CPU."""
+    decode: Literal["loop", "slots"] = "loop"
+    """Torch engine's decode. 'slots': a static KV cache of `max_batch_size` slots by
+    `max_model_len` positions; requests join as slots free (continuous batching) and each
+    step is one CUDA graph on a GPU (`node.engines.slot_decode`): the GPU path. 'loop':
+    transformers' forward with a growing cache, one host sync per token. 'loop' stays the
+    default until the slot decode's honest bf16 errors are calibrated on a GPU: the
+    shipped CUDA thresholds were fitted to the loop decode's."""
     cuda_graphs: bool = True
     """Capture each decode step shape as a CUDA graph ('slots' decode on a GPU)."""
     decode_window: int = Field(8, ge=1, le=256)

@@ -161,14 +161,11 @@ class TorchEngine(InferenceEngine):
         """The continuous-batching decoder, when the config asks for it and it can serve
         these requests (alternatives per position are only reported by the loop)."""
         cfg = self.config
-        mode = (
-            cfg.decode
-            if cfg.decode != "auto"
-            else "slots"
-            if self.device.type == "cuda"
-            else "loop"
-        )
-        if mode == "loop" or not supports(self.model) or any(r.top_logprobs for r in requests):
+        if (
+            cfg.decode == "loop"
+            or not supports(self.model)
+            or any(r.top_logprobs for r in requests)
+        ):
             return None
         if any(len(r.prompt_ids) + r.sampling.max_tokens > cfg.max_model_len for r in requests):
             return None

@@ -700,7 +700,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default=None,
         help="comma-separated completion lengths (default: 256,1024 CUDA; 64 CPU)",
     )
-    add("--decode", default="auto", choices=["auto", "slots", "loop"], help="EngineConfig.decode")
+    add("--decode", choices=["slots", "loop"], help="EngineConfig.decode (default: slots on CUDA)")
     add(
         "--mix",
         action=argparse.BooleanOptionalAction,
@@ -724,12 +724,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args.batch_sizes = sorted({int(x) for x in str(args.batch_sizes).split(",") if x.strip()})
     if not args.batch_sizes or min(args.batch_sizes) < 1:
         ap.error("--batch-sizes must be positive integers")
+    if args.decode is None:
+        args.decode = "slots" if kind == "cuda" else "loop"
     if args.max_tokens is None:
         args.max_tokens = "256,1024" if kind == "cuda" else "64"
     args.lengths = sorted({int(x) for x in str(args.max_tokens).split(",") if x.strip()})
     args.max_tokens = args.lengths[-1]
     if args.mix is None:
-        args.mix = args.decode == "slots" or (args.decode == "auto" and kind == "cuda")
+        args.mix = args.decode == "slots"
     if args.repeats is None:
         args.repeats = 3 if kind == "cuda" or args.model == "tiny" else 1
     args.device_kind = kind

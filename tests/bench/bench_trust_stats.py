@@ -483,7 +483,7 @@ def main(argv=None) -> int:
     add("--strategies", default=",".join(ALL_STRATEGIES))
     add("--seed", type=int, default=0)
     add("--judge", default=str(SHIPPED_TOML), help="the thresholds of 'rej shipped'")
-    add("--decode", default="auto", choices=["auto", "slots", "loop"], help="EngineConfig.decode")
+    add("--decode", default="loop", choices=["slots", "loop"], help="EngineConfig.decode")
     add("--deadline-s", type=float, default=0, help="stop generating after this many seconds")
     add("--out", help="output prefix (default tests/bench/results/trust_stats_<device>_<model>)")
     add("--quick", action="store_true", help="smoke mode: a handful of short rollouts")
