@@ -129,6 +129,10 @@ class Worker:
         self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="engine")
         self.proofs = ProofPool(proof_processes)
         self.swaps_waiting = 0  # weight swaps queued behind the running generation
+        # Proofs built and checked batched on the GPU (`verifier.proof_batch`) go with the
+        # slot decode: its top-k may break ties between equal |values| unlike toploc's CPU
+        # top-k, and the shipped CUDA thresholds were fitted to toploc on both sides.
+        self.gpu_proofs = getattr(getattr(engine, "config", None), "decode", "loop") == "slots"
         self.gen_batcher: Batcher[GenerationRequest, Generated] = Batcher(
             self._generate_stream,
             self.executor,
@@ -276,10 +280,11 @@ class Worker:
         def run() -> list[Replayed]:
             batch = self.engine.prefill_batch([(r.prompt_ids, r.completion_ids) for r in rollouts])
             reps = replay_rollouts(rollouts, batch.logits, self.policy.support_tolerance)
-            if batch.rows.device.type == "cpu":  # toploc checks each proof later, per rollout
+            if not self.gpu_proofs or batch.rows.device.type == "cpu":
+                # toploc checks each proof later, per rollout, on the CPU
                 return [
                     Replayed(rep, rows, weights_hash)
-                    for rep, rows in zip(reps, batch.rows.split(batch.sizes), strict=True)
+                    for rep, rows in zip(reps, batch.rows.cpu().split(batch.sizes), strict=True)
                 ]
             checks = check_proofs(
                 batch.rows,
