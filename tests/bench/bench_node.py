@@ -412,13 +412,13 @@ class NodeBench:
         return verdicts, proof_s
 
     def run_mix(self, b: int, n: int) -> dict:
-        """Continuous batching (at the largest B): 3 x B requests whose lengths are spread over [n/8, n]
+        """Continuous batching (at the largest B): 2 x B requests whose lengths are spread over [n/8, n]
         (ignore_eos), through the engine at once (a request joins when a slot frees),
         through the engine in batches of B (each waits for its longest), and through HF
         `generate` in batches of B (each to its longest). Useful tokens/s of each."""
         self.phase(f"B={b}: continuous batching on a mix of lengths up to {n}")
         g = torch.Generator().manual_seed(self.args.seed + 7)
-        m = 3 * b
+        m = 2 * b
         lengths = torch.randint(max(1, n // 8), n + 1, (m,), generator=g).tolist()
         prompts = [self.prompts[i % len(self.prompts)] for i in range(m)]
         reqs = [
@@ -559,7 +559,7 @@ def print_tables(report: dict) -> None:
         )
     console.print(t)
     if report["mix"]:
-        mt = Table(title="continuous batching: 3 x B requests, lengths spread over [L/8, L]")
+        mt = Table(title="continuous batching: 2 x B requests, lengths spread over [L/8, L]")
         for c in (
             "B",
             "L",
