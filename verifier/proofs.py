@@ -23,7 +23,6 @@ import math
 from dataclasses import dataclass
 
 import torch
-from toploc import build_proofs_bytes, verify_proofs_bytes
 
 from protocol.messages import ProofParams, VerificationPolicy
 from verifier.proof_batch import build_proofs_batched, verify_proofs_batched
@@ -31,6 +30,8 @@ from verifier.proof_batch import build_proofs_batched, verify_proofs_batched
 
 def build_proof(hidden_states: torch.Tensor, params: ProofParams) -> list[bytes]:
     """Proof chunks for hidden-state rows [N, H] of one completion."""
+    from toploc import build_proofs_bytes  # here: the batched GPU path runs without toploc
+
     rows = hidden_states.to(torch.bfloat16).cpu()
     return build_proofs_bytes(list(rows), params.chunk_tokens, params.topk, skip_prefill=True)
 
@@ -98,6 +99,8 @@ def check_proof(
     bad = _format_error(hidden_states.shape[0], proof, params)
     if bad is not None:
         return _failed(bad)
+    from toploc import verify_proofs_bytes
+
     rows = hidden_states.to(torch.bfloat16).cpu().contiguous()
     try:
         results = verify_proofs_bytes(

