@@ -43,8 +43,8 @@ from protocol.messages import (
     VerificationPolicy,
     VerifyRequest,
 )
-from verifier.checks import check_rollout, replay_rollouts
-from verifier.proofs import ProofCheck, build_proof, build_proofs, check_proofs
+from verifier.checks import check_rollout, check_rollout_proofs, replay_rollouts
+from verifier.proofs import ProofCheck, build_proof, build_proofs
 from verifier.sampling import ReplayResult
 
 T = TypeVar("T")
@@ -286,13 +286,7 @@ class Worker:
                     Replayed(rep, rows, weights_hash)
                     for rep, rows in zip(reps, batch.rows.cpu().split(batch.sizes), strict=True)
                 ]
-            checks = check_proofs(
-                batch.rows,
-                batch.sizes,
-                [r.proof for r in rollouts],
-                [r.proof_params for r in rollouts],
-                self.policy,
-            )
+            checks = check_rollout_proofs(rollouts, batch.rows, batch.sizes, self.policy)
             return [
                 Replayed(rep, None, weights_hash, pc) for rep, pc in zip(reps, checks, strict=True)
             ]

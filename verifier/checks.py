@@ -27,7 +27,7 @@ from collections.abc import Callable
 import torch
 
 from protocol.messages import CheckResult, Rollout, RolloutRequest, VerificationPolicy
-from verifier.proofs import ProofCheck, check_proof
+from verifier.proofs import ProofCheck, check_proof, check_proofs
 from verifier.sampling import ReplayResult, RowLogits, RowParams, replay_spec, row_spec
 
 Decode = Callable[[list[int]], str]
@@ -131,6 +131,16 @@ def replay_rollouts(rollouts: list[Rollout], logits, p_slack: float) -> list[Rep
     for j, i in enumerate(ok):
         out[i] = ReplayResult(logprobs=cols[0][j], score_gap=cols[1][j], in_support=cols[2][j])
     return out
+
+
+def check_rollout_proofs(
+    rollouts: list[Rollout], rows: torch.Tensor, sizes: list[int], policy: VerificationPolicy
+) -> list[ProofCheck]:
+    """Every rollout's proof against the verifier's rows [sum N_i, H] (in rollout order), in
+    one batched pass on the rows' device (`verifier.proofs.check_proofs`)."""
+    return check_proofs(
+        rows, sizes, [r.proof for r in rollouts], [r.proof_params for r in rollouts], policy
+    )
 
 
 def _select_rows(logits, keep: torch.Tensor):

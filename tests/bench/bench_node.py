@@ -71,8 +71,8 @@ from node.config import EngineConfig  # noqa: E402
 from node.engines.base import GenerationRequest, GenerationResult  # noqa: E402
 from node.engines.torch_engine import TorchEngine  # noqa: E402
 from protocol.messages import ProofParams, Rollout, SamplingParams, VerificationPolicy  # noqa: E402
-from verifier.checks import check_rollout, replay_rollouts  # noqa: E402
-from verifier.proofs import build_proof, build_proofs, check_proof, check_proofs  # noqa: E402
+from verifier.checks import check_rollout, check_rollout_proofs, replay_rollouts  # noqa: E402
+from verifier.proofs import build_proof, build_proofs, check_proof  # noqa: E402
 
 RESULTS_DIR = HERE / "results"
 SMOLLM2_CONFIG = HERE / "smollm2_config.json"
@@ -248,10 +248,13 @@ class NodeBench:
             [GenerationRequest(self.prompts[i], sp, self.seeds[i]) for i in range(b)]
         )
 
-    @torch.inference_mode()
     def hf_generate(self, b: int, max_tokens: int) -> torch.Tensor:
+        return self.hf_generate_prompts(self.prompts[:b], max_tokens)
+
+    @torch.inference_mode()
+    def hf_generate_prompts(self, prompts: list[list[int]], max_tokens: int) -> torch.Tensor:
         torch.manual_seed(self.args.seed)
-        ids = torch.tensor(self.prompts[:b], device=self.device)
+        ids = torch.tensor(prompts, device=self.device)
         out = self.model.generate(
             input_ids=ids,
             attention_mask=torch.ones_like(ids),
@@ -399,13 +402,7 @@ class NodeBench:
         on_gpu = batch.rows.device.type != "cpu"
         rows = batch.rows.split(batch.sizes)
         if on_gpu:
-            pcs = check_proofs(
-                batch.rows,
-                batch.sizes,
-                [r.proof for r in rollouts],
-                [r.proof_params for r in rollouts],
-                self.policy,
-            )
+            pcs = check_rollout_proofs(rollouts, batch.rows, batch.sizes, self.policy)
         else:
             pcs = [
                 check_proof(h, r.proof, r.proof_params, self.policy)
@@ -438,20 +435,8 @@ class NodeBench:
             for i in range(0, m, b):
                 run(i, min(m, i + b))
 
-        @torch.inference_mode()
         def hf(i: int, j: int) -> None:
-            ids = torch.tensor(prompts[i:j], device=self.device)
-            longest = max(lengths[i:j])
-            torch.manual_seed(self.args.seed)
-            self.model.generate(
-                input_ids=ids,
-                attention_mask=torch.ones_like(ids),
-                max_new_tokens=longest,
-                min_new_tokens=longest,
-                pad_token_id=self.engine.pad_id,
-                eos_token_id=self.hf_eos,
-                **HF_SAMPLING,
-            )
+            self.hf_generate_prompts(prompts[i:j], max(lengths[i:j]))
 
         self.engine.generate(reqs)  # warm-up: the graphs of every slot count it passes through
         runs = measure(
