@@ -339,9 +339,10 @@ def row_spec(
     the device."""
     t, k, p = _param_tensors(params, vocab, device)
     n = torch.tensor(sizes, device=device)
-    rows = lambda x: x.repeat_interleave(n)  # noqa: E731 - per completion -> per row
+    owner = torch.arange(len(sizes), device=device).repeat_interleave(n)  # completion of each row
+    rows = lambda x: x[owner]  # noqa: E731 - per completion -> per row
     starts = torch.cumsum(n, 0) - n
-    positions = torch.arange(int(n.sum()), device=device) - rows(starts)
+    positions = torch.arange(owner.shape[0], device=device) - rows(starts)
     seed_keys = torch.tensor(
         [_signed(_splitmix_int(s)) for s in seeds], dtype=torch.int64, device=device
     )
