@@ -99,6 +99,14 @@ def check_proof(
     bad = _format_error(hidden_states.shape[0], proof, params)
     if bad is not None:
         return _failed(bad)
+    n, width = hidden_states.shape
+    if (
+        n
+        and width * min(params.chunk_tokens, n - (len(proof) - 1) * params.chunk_tokens)
+        < params.topk
+    ):
+        # toploc's C++ check aborts the whole process on such a chunk
+        return _failed(f"a chunk holds fewer than top-k {params.topk} values")
     from toploc import verify_proofs_bytes
 
     rows = hidden_states.to(torch.bfloat16).cpu().contiguous()

@@ -243,3 +243,16 @@ def test_cuda_matches_cpu() -> None:
     assert verify_proofs_batched(rows.cuda(), lengths, built, p) == verify_proofs_batched(
         rows, lengths, built, p
     )
+
+
+def test_a_chunk_smaller_than_topk_fails_the_check_instead_of_aborting() -> None:
+    """toploc's C++ check aborts the process (SIGABRT) on a chunk of fewer than top-k values:
+    `check_proof` must refuse such a proof with a verdict, and keep the verifier alive."""
+    from protocol.messages import VerificationPolicy
+    from verifier.proofs import check_proof
+
+    p = ProofParams(chunk_tokens=32, topk=128)
+    rows = torch.randn(33, 64).to(torch.bfloat16)  # the last chunk: 1 row, 64 values < 128
+    proof = [bytes([0xFF, 0xD9]) + bytes(256)] * 2
+    result = check_proof(rows, proof, p, VerificationPolicy())
+    assert not result.passed and "fewer than top-k" in result.detail
