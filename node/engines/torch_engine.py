@@ -1,8 +1,9 @@
 """The `torch` engine: a transformers causal LM driven by our own decode loop.
 
-Two decode paths, chosen by `EngineConfig.decode`: on a GPU, continuous batching over a
-static KV cache with CUDA graphs (`node.engines.slot_decode`); on a CPU, batched generation
-with transformers' growing cache (left-padded prompts, one forward per step). Both use the
+Two decode paths, chosen by `EngineConfig.decode`: 'loop' (the default, CPU and GPU),
+batched generation with transformers' growing cache (left-padded prompts, one forward per
+step); 'slots', continuous batching over a static KV cache with CUDA graphs on a GPU
+(`node.engines.slot_decode`). Both use the
 seeded sampling of `verifier.sampling`, stop on EOS / stop strings / max_tokens, and keep
 the last-layer hidden state of every step for proofs; a prefill-only path (right-padded
 batch, no cache) serves verification.
