@@ -117,8 +117,13 @@ def test_a_worker_answers_short_requests_while_a_long_one_runs(engines):
             assert len(signed.rollout.completion_ids) == r.sampling.max_tokens
             order.append(r.request_id)
 
-        long = asyncio.create_task(one(req(0, 200)))
-        await asyncio.sleep(0.3)  # the long request is decoding when the short ones arrive
+        before = slots._slots.steps_run if slots._slots else 0
+        long = asyncio.create_task(one(req(0, 240)))
+        # The short requests arrive once the long one is decoding: not after a wall-clock
+        # sleep, which a loaded machine can outlast. Twelve 3-token requests through five
+        # free slots take about 30 steps; the long request takes 240.
+        while slots._slots is None or slots._slots.steps_run == before:
+            await asyncio.sleep(0.001)
         await asyncio.gather(long, *(one(req(i, 3)) for i in range(1, 13)))
         await worker.stop()
         return order
