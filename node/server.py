@@ -216,6 +216,7 @@ class NodeServer:
                 "outstanding": self.worker.outstanding,
                 "stats": self.worker.stats,
                 "busy_s": {k: round(v, 6) for k, v in self.worker.busy_s.items()},
+                "decode_steps": engine.decode_steps,
             }
         )
 

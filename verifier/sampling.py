@@ -393,13 +393,15 @@ def replay_spec(logits, spec: RowSpec, p_slack: float) -> ReplayResult:
     n, vocab = logits.shape
     fused = triton_available(torch.device(logits.device))
     block = max(1, (FUSED_BLOCK_ELEMS if fused else REPLAY_BLOCK_ELEMS) // vocab)
+    step = max(1, REPLAY_BLOCK_ELEMS // vocab)
+    if not fused and n <= step:  # one block (small batches): no per-block slicing
+        return _replay_block(logits[0:n], spec, p_slack)
     parts = []
     for i in range(0, n, block):
         lg, sp = logits[i : i + block], spec[i : i + block]
         if fused and not bool(sp.filtering.any()):
             parts.append(_replay_fused(lg, sp))
             continue
-        step = max(1, REPLAY_BLOCK_ELEMS // vocab)
         for j in range(0, lg.shape[0], step):
             parts.append(_replay_block(lg[j : j + step], sp[j : j + step], p_slack))
     return ReplayResult(

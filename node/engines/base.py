@@ -119,5 +119,11 @@ class InferenceEngine(ABC):
     def vocab_size(self) -> int:
         """Number of logits per row."""
 
+    @property
+    def decode_steps(self) -> dict[str, int]:
+        """Decode steps run so far per decode path that counts them (shown in /health, so an
+        operator sees which path serves)."""
+        return {}
+
     def close(self) -> None:  # noqa: B027 - optional hook
         """Release engine resources."""

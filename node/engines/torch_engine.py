@@ -96,6 +96,10 @@ class TorchEngine(InferenceEngine):
     def vocab_size(self) -> int:
         return self.lm_head.weight.shape[0]
 
+    @property
+    def decode_steps(self) -> dict[str, int]:
+        return {"slots": self._slots.steps_run if self._slots is not None else 0}
+
     # -- weights -------------------------------------------------------------------
     def load_weights(self, path: str | Path, version: int, weights_hash: str = "") -> None:
         files = sorted(Path(path).glob("*.safetensors"))

@@ -21,6 +21,7 @@ import sqlite3
 import time
 from dataclasses import dataclass
 
+import httpx
 import pytest
 
 from node.engines.base import GenerationRequest, InferenceEngine
@@ -190,9 +191,17 @@ def lost_disputes(pool: Pool, names: tuple[str, ...]) -> dict[str, int]:
     return {n: log.count(f"{n} loses reputation") for n in names}
 
 
-@pytest.mark.parametrize("kind", BF16_CHEATS)
+# The slot decode (`--engine.decode slots`, opt-in) generates what its verifiers' prefill
+# judges under the same bf16 thresholds: one pool where every node decodes that way, with
+# the cheat that edits one token and keeps the rest (the cheapest liar to build).
+BF16_CASES = [(kind, "loop") for kind in BF16_CHEATS] + [("steered-token", "slots")]
+
+
+@pytest.mark.parametrize(
+    ("kind", "decode"), BF16_CASES, ids=[k if d == "loop" else f"{k}-{d}" for k, d in BF16_CASES]
+)
 async def test_bf16_pool_bans_cheaper_compute(
-    tmp_path, kind: str, bf16_calibration: Calibration, monkeypatch, report
+    tmp_path, kind: str, decode: str, bf16_calibration: Calibration, monkeypatch, report
 ):
     """A bf16 pool (3 honest nodes and one cheat of `kind`, 100 requests of 24 tokens) bans
     the cheat, by per-rollout checks or by per-node evidence; honest nodes stay healthy,
@@ -201,11 +210,12 @@ async def test_bf16_pool_bans_cheaper_compute(
     policy = bf16_calibration.policy
     t0 = time.monotonic()
     pool = make_pool(tmp_path, verification=policy)
+    flags = (*BF16, "--engine.decode", decode)
     try:
         pool.start_scheduler(*FAST_LIFECYCLE)
         for name in HONEST:
-            pool.join(name, *BF16, wait=False)
-        pool.join("cheat", *BF16, wait=False, dishonest=kind)
+            pool.join(name, *flags, wait=False)
+        pool.join("cheat", *flags, wait=False, dishonest=kind)
         for name in (*HONEST, "cheat"):
             pool.wait_joined(name)
         from verifier.models import load_tokenizer, resolve_model
@@ -225,6 +235,10 @@ async def test_bf16_pool_bans_cheaper_compute(
         honest_rejected = sum(1 for _, g, a in rows if g in honest_ids and not a)
         losses = lost_disputes(pool, HONEST)
         states = {n: pool.node_state(i) for i, n in honest_ids.items()}
+        slot_steps = {
+            n: httpx.get(pool.nodes[n].health_url, timeout=10).json()["decode_steps"]["slots"]
+            for n in HONEST
+        }
         figures = {
             "caught_by": caught_by(reasons[cheat_id]),
             "reason": reasons[cheat_id],
@@ -235,10 +249,15 @@ async def test_bf16_pool_bans_cheaper_compute(
             "honest_rollouts_rejected": honest_rejected,
             "honest_lost_disputes": losses,
             "run_s": round(time.monotonic() - t0, 1),
+            "honest_slot_decode_steps": slot_steps,
         }
-        report(f"per-node evidence, tiny bf16 pool, {kind}", figures)
+        pool_kind = "tiny bf16 pool" if decode == "loop" else f"tiny bf16 pool, {decode} decode"
+        report(f"per-node evidence, {pool_kind}, {kind}", figures)
         assert figures["caught_by"] in ("evidence", "per-rollout"), figures
         assert states == {n: "healthy" for n in HONEST}, states
+        # The honest nodes generated with the decode asked for (the pool's requests are
+        # spread over every node).
+        assert all((steps > 0) == (decode == "slots") for steps in slot_steps.values()), figures
         if kind == "perturbed-weights":
             # Borderline in bf16 (measured: 0-40% of its rollouts rejected per rollout, so
             # honest verifiers disagree about it): a verifier that rejects one of its
