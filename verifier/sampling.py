@@ -394,8 +394,6 @@ def replay_spec(logits, spec: RowSpec, p_slack: float) -> ReplayResult:
     fused = triton_available(torch.device(logits.device))
     block = max(1, (FUSED_BLOCK_ELEMS if fused else REPLAY_BLOCK_ELEMS) // vocab)
     step = max(1, REPLAY_BLOCK_ELEMS // vocab)
-    if not fused and n <= step:  # one block (small batches): no per-block slicing
-        return _replay_block(logits[0:n], spec, p_slack)
     parts = []
     for i in range(0, n, block):
         lg, sp = logits[i : i + block], spec[i : i + block]

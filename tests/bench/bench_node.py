@@ -281,8 +281,7 @@ class NodeBench:
         return self.model(input_ids=ids, attention_mask=mask, use_cache=False).logits
 
     def engine_steps(self) -> int:
-        slots = getattr(self.engine, "_slots", None)
-        return slots.steps_run if slots is not None else 0
+        return self.engine.decode_steps.get("slots", 0)
 
     def run_batch(self, b: int, n: int) -> Row:
         a, dev = self.args, self.device

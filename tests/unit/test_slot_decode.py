@@ -54,7 +54,7 @@ def test_slot_decode_gives_the_loop_decodes_completions(engines):
     reqs = _requests(30, loop.vocab_size)  # 30 requests through 6 slots: they join as others end
     expected = [loop.generate([r])[0] for r in reqs]
     got = slots.generate(reqs)
-    assert slots._slots is not None and slots._slots.steps_run > 0
+    assert slots.decode_steps["slots"] > 0
     for r, x, y in zip(reqs, expected, got, strict=True):
         assert y.completion_ids == x.completion_ids, r.sampling
         assert y.finish_reason == x.finish_reason
@@ -76,9 +76,9 @@ def test_a_slot_freed_early_takes_the_next_request(engines):
     reqs = [
         GenerationRequest([5, 6, 7], sp_long if i % 6 == 0 else sp_short, seed=i) for i in range(24)
     ]
-    before = slots._slots.steps_run if slots._slots else 0
+    before = slots.decode_steps["slots"]
     got = slots.generate(reqs)
-    steps = slots._slots.steps_run - before
+    steps = slots.decode_steps["slots"] - before
     assert [len(g.completion_ids) for g in got] == [r.sampling.max_tokens for r in reqs]
     # Four batches of six, each as long as its 48-token request: 4 x 48 steps.
     assert steps < 4 * 48 / 2, steps
@@ -117,12 +117,12 @@ def test_a_worker_answers_short_requests_while_a_long_one_runs(engines):
             assert len(signed.rollout.completion_ids) == r.sampling.max_tokens
             order.append(r.request_id)
 
-        before = slots._slots.steps_run if slots._slots else 0
+        before = slots.decode_steps["slots"]
         long = asyncio.create_task(one(req(0, 240)))
         # The short requests arrive once the long one is decoding: not after a wall-clock
         # sleep, which a loaded machine can outlast. Twelve 3-token requests through five
         # free slots take about 30 steps; the long request takes 240.
-        while slots._slots is None or slots._slots.steps_run == before:
+        while slots.decode_steps["slots"] == before:
             await asyncio.sleep(0.001)
         await asyncio.gather(long, *(one(req(i, 3)) for i in range(1, 13)))
         await worker.stop()
