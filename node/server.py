@@ -9,11 +9,13 @@ Routes:
   signed `Rollout`), GET /v1/rollouts/{id} (the signed rollout of an earlier OpenAI call),
   POST /v1/verify (a `VerifyRequest` -> signed `Verdict`);
 - weights: POST /v1/weights/update and /v1/weights/reload, accepted only when signed by a
-  trusted key (the pool's trainer);
+  trusted key (the pool's trainer); an update of a version not newer than the one held
+  gets 409 (`node.worker.is_newer`);
 - GET /health: status, node id, weights version and hash, outstanding requests, `stats`
-  (counts of generated / verified / accepted / rejected rollouts) and `busy_s`, the
+  (counts of generated / verified / accepted / rejected rollouts), `busy_s`, the
   seconds spent generating and verifying since start (`{"generate": s, "verify": s}`,
-  see `node.worker`).
+  see `node.worker`), and `worker`, the settings the worker runs with (batch size and
+  wait, max_model_len, proof processes).
 
 In a pool (`prime-node join`) the proof routes take work only from the scheduler:
 `callers` holds the keys allowed to sign rollout and verify requests (None = anyone, as a
@@ -26,10 +28,12 @@ Invariants: every bad input (malformed JSON or msgpack, oversized body, wrong ty
 line, and the server keeps serving; signed routes reject a replayed nonce; a
 `request_id` this node already holds a signed rollout for is refused (409), never replaced; requests past
 `max_concurrent_requests` get 503 instead of queueing without bound; weights are loaded
-only under a trusted signature, through one function (`load_weights`), whether they come
-from the trainer's push or relayed by the scheduler (`load_relayed_weights`); an update
-that carries a swarm manifest is fetched from peers first (`node.swarm_weights`) and
-loaded when every piece is in and checked.
+only under a trusted signature, through one function (`Worker.load_weights`), whether
+they come from the trainer's push or relayed by the scheduler (`load_relayed_weights`),
+and only when newer than the version held; an update that carries a swarm manifest is
+fetched from peers first (`node.swarm_weights`) and loaded when every piece is in and
+checked. Every signed route opens its envelope the same way (`_open`): size cap, replay
+cache, the senders allowed on that route.
 """
 
 from __future__ import annotations
@@ -40,15 +44,29 @@ import logging
 import os
 import uuid
 from collections import OrderedDict
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, TypeVar
 
 from aiohttp import web
 
-from node.worker import RequestRejected, SignedRollout, Worker
-from protocol.envelope import ReplayCache, open_envelope
+from node.worker import (
+    RequestRejected,
+    SignedRollout,
+    StaleWeights,
+    Worker,
+    is_newer,
+    require_newer,
+)
+from protocol.envelope import Opened, ReplayCache, open_envelope
 from protocol.http import MSGPACK, body_timeout_middleware, error_middleware, read_json
 from protocol.identity import public_key_from_node_id
-from protocol.messages import MAX_SEED, RolloutRequest, VerifyRequest, WeightReload, WeightUpdate
+from protocol.messages import (
+    MAX_SEED,
+    Message,
+    RolloutRequest,
+    VerifyRequest,
+    WeightReload,
+    WeightUpdate,
+)
 from protocol.openai import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -62,6 +80,7 @@ if TYPE_CHECKING:
     from node.swarm_weights import SwarmWeights
 
 log = logging.getLogger("prime.node.server")
+M = TypeVar("M", bound=Message)
 
 
 class NodeServer:
@@ -92,11 +111,7 @@ class NodeServer:
         self.rollouts: OrderedDict[str, bytes] = OrderedDict()
         self.pending_ids: set[str] = set()  # OpenAI calls under way: their ids are taken
         self.rollout_cache_size = rollout_cache_size
-        self.weights_path: str | None = None
-        self.swarm = swarm
-        if swarm is not None:
-            swarm.load = self.load_weights
-            swarm.current_version = lambda: worker.engine.weights_version
+        self.swarm = swarm  # its hooks load into `worker` (node.assembly)
         # Requests holding a slot (queued for the engine or being answered): a drain waits on it.
         self.in_flight = 0
 
@@ -104,7 +119,7 @@ class NodeServer:
         app = web.Application(
             client_max_size=self.max_body_bytes,
             middlewares=[
-                error_middleware(log, {RequestRejected: 400}),
+                error_middleware(log, {StaleWeights: 409, RequestRejected: 400}),
                 body_timeout_middleware(self.body_read_timeout_s, log),
             ],
         )
@@ -137,6 +152,19 @@ class NodeServer:
         await self.worker.stop()
 
     # -- helpers -------------------------------------------------------------------
+    async def _open(
+        self, request: web.Request, model: type[M], senders: set[bytes] | None
+    ) -> Opened[M]:
+        """The request's signed envelope of `model` from one of `senders` (None: anyone),
+        never replayed and within the body cap; any failure is a 4xx (`EnvelopeError`)."""
+        return open_envelope(
+            await request.read(),
+            model,
+            replay_cache=self.replay,
+            trusted_senders=senders,
+            max_bytes=self.max_body_bytes,
+        )
+
     async def _limited(self, coro):
         if self.slots.locked():
             coro.close()
@@ -217,6 +245,7 @@ class NodeServer:
                 "stats": self.worker.stats,
                 "busy_s": {k: round(v, 6) for k, v in self.worker.busy_s.items()},
                 "decode_steps": engine.decode_steps,
+                "worker": self.worker.settings,
             }
         )
 
@@ -298,13 +327,7 @@ class NodeServer:
         )
 
     async def rollout(self, request: web.Request) -> web.Response:
-        opened = open_envelope(
-            await request.read(),
-            RolloutRequest,
-            replay_cache=self.replay,
-            trusted_senders=self.callers,
-            max_bytes=self.max_body_bytes,
-        )
+        opened = await self._open(request, RolloutRequest, self.callers)
         signed = await self._limited(self.worker.generate(opened.message))
         return web.Response(body=signed.envelope, content_type=MSGPACK)
 
@@ -315,13 +338,7 @@ class NodeServer:
         return web.Response(body=envelope, content_type=MSGPACK)
 
     async def verify(self, request: web.Request) -> web.Response:
-        opened = open_envelope(
-            await request.read(),
-            VerifyRequest,
-            replay_cache=self.replay,
-            trusted_senders=self.callers,
-            max_bytes=self.max_body_bytes,
-        )
+        opened = await self._open(request, VerifyRequest, self.callers)
         verdict, envelope = await self._limited(self.worker.verify(opened.message))
         log.info(
             "verified %s from %s: %s",
@@ -331,39 +348,29 @@ class NodeServer:
         )
         return web.Response(body=envelope, content_type=MSGPACK)
 
-    async def load_weights(self, update: WeightUpdate) -> None:
-        """Swap `update`'s weights into the engine (the caller checked who signed it)."""
-        try:
-            await self.worker.load_weights(update.path, update.version, update.weights_hash)
-        except (FileNotFoundError, ValueError, RuntimeError) as exc:
-            raise RequestRejected(f"cannot load weights from {update.path}: {exc}") from exc
-        self.weights_path = update.path
-        engine = self.worker.engine
-        log.info("loaded weights version %d (%s)", engine.weights_version, engine.weights_hash[:12])
-
     async def load_relayed_weights(self, envelope: bytes) -> bool:
-        """Load a trainer-signed `WeightUpdate` that the scheduler passed on; True if loaded.
+        """Load a trainer-signed `WeightUpdate` that the scheduler passed on; True if loaded
+        (or, by manifest, fetching).
 
         The trainer signed it when it published, so it is usually past its expiry by now:
-        the signature is what counts, and only a newer version (or another hash of the same
-        one) is loaded, so an old envelope replayed by anyone cannot roll the weights back.
+        the signature is what counts, and only a newer version is loaded (`is_newer`), so
+        an old envelope replayed by anyone cannot roll the weights back.
         """
         update = open_envelope(
             envelope, WeightUpdate, trusted_senders=self.trusted, check_expiry=False
         ).message
-        engine = self.worker.engine
-        if update.version < engine.weights_version or (
-            update.version == engine.weights_version
-            and update.weights_hash in ("", engine.weights_hash)
-        ):
+        if not is_newer(update.version, self.worker.engine.weights_version):
             return False
-        return await self.apply_update(update)
+        try:
+            return await self.apply_update(update)
+        except StaleWeights:  # a newer version was swapped in meanwhile
+            return False
 
     async def apply_update(self, update: WeightUpdate) -> bool:
         """Load a trainer-signed update (filesystem) or start fetching it (swarm: the
         engine swaps when the pieces are in); True if something started."""
         if not update.manifest:
-            await self.load_weights(update)
+            await self.worker.load_weights(update)
             return True
         if self.swarm is None:
             raise RequestRejected("this node runs no swarm peer: it cannot fetch by manifest")
@@ -379,30 +386,21 @@ class NodeServer:
         )
 
     async def weights_update(self, request: web.Request) -> web.Response:
-        opened = open_envelope(
-            await request.read(),
-            WeightUpdate,
-            replay_cache=self.replay,
-            trusted_senders=self.trusted,
-            max_bytes=self.max_body_bytes,
-        )
-        await self.apply_update(opened.message)
+        opened = await self._open(request, WeightUpdate, self.trusted)
+        update = opened.message
+        require_newer(update.version, self.worker.engine.weights_version)  # 409
+        await self.apply_update(update)
         return self._weights_response()
 
     async def weights_reload(self, request: web.Request) -> web.Response:
         """Re-read the current weights from disk (after a repair of the files, say)."""
-        opened = open_envelope(
-            await request.read(),
-            WeightReload,
-            replay_cache=self.replay,
-            trusted_senders=self.trusted,
-            max_bytes=self.max_body_bytes,
-        )
+        opened = await self._open(request, WeightReload, self.trusted)
         engine = self.worker.engine
         if opened.message.version != engine.weights_version:
             raise RequestRejected(
                 f"node holds version {engine.weights_version}, not {opened.message.version}"
             )
-        path = self.weights_path or str(getattr(engine, "model_path", ""))
-        await self.load_weights(WeightUpdate(version=engine.weights_version, path=path))
+        path = self.worker.weights_path or str(getattr(engine, "model_path", ""))
+        update = WeightUpdate(version=engine.weights_version, path=path)
+        await self.worker.load_weights(update, only_newer=False)  # the same version, again
         return self._weights_response()

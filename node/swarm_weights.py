@@ -14,8 +14,11 @@ Invariants:
 - Nothing is fetched unless the pool's trainer key signed the manifest and the update
   names the same hash; every piece is hash-checked before it is stored or served
   (`protocol.swarm`), so the engine only ever loads bytes the trainer published.
-- The engine loads a version only when it is newer than the one it serves; the swap runs
+- A version is fetched and loaded only when it is newer than the one the node serves
+  (`node.worker.is_newer`, checked again by the `load` hook at the swap); the swap runs
   on the engine thread, between batches (hot swap, no restart).
+- Its hooks into the node (`load`, `current_version`, `tracker`, `on_loaded`) are given
+  to the constructor by the node's assembly (`node.assembly`), never set afterwards.
 - A version rebuilt from a delta is loaded or seeded only after every piece of it hashed
   to its trainer-signed full manifest (the one the delta manifest carries); a forged
   delta manifest, a delta that does not apply or a rebuild that does not match sends the
@@ -35,6 +38,7 @@ from collections.abc import Awaitable, Callable
 from pathlib import Path
 
 from node.config import NodeWeightsConfig
+from node.worker import StaleWeights, is_newer
 from protocol.identity import Identity, node_id_from_public_key
 from protocol.messages import Manifest, SwarmAnnounce, WeightUpdate
 from protocol.swarm.config import SwarmConfig
@@ -60,23 +64,31 @@ class SwarmWeights:
         cfg: SwarmConfig,
         trusted: set[bytes],
         folder: Path,
+        *,
+        load: Callable[[WeightUpdate], Awaitable[None]],
+        current_version: Callable[[], int],
+        tracker: TrackerClient | None = None,
+        on_loaded: Callable[[], None] = lambda: None,
         keep_versions: int = 3,
         seeder_fallback_s: float = 10.0,
         announce_interval_s: float = 15.0,
     ):
+        """`load` swaps a fetched version into the engine (raising `StaleWeights` if a
+        newer one got there first), `current_version` reads the version served,
+        `tracker` names the other members (a pool node's scheduler; None: only the
+        seeders the updates name), `on_loaded` runs after each swap."""
         self.identity = identity
         self.cfg = cfg
         self.trusted = trusted
         self.folder = Path(folder).expanduser()
-        # Wired by the NodeServer that owns this peer: swap weights in, read the version.
-        self.load: Callable[[WeightUpdate], Awaitable[None]] | None = None
-        self.current_version: Callable[[], int] = lambda: 0
+        self.load = load
+        self.current_version = current_version
         self.keep_versions = keep_versions
         self.seeder_fallback_s = seeder_fallback_s
         self.announce_interval_s = announce_interval_s
         self.host = self.host_cls(identity, cfg, trusted)
-        self.tracker: TrackerClient | None = None
-        self.on_loaded: Callable[[], None] = lambda: None
+        self.tracker = tracker
+        self.on_loaded = on_loaded
         self.tasks: dict[str, asyncio.Task] = {}  # manifest hash -> fetch-and-load
         self._announcer: asyncio.Task | None = None
         self.versions: dict[str, int] = {}  # manifest hash -> step, fetched or fetching
@@ -84,7 +96,15 @@ class SwarmWeights:
 
     @classmethod
     def from_config(
-        cls, identity: Identity, cfg: NodeWeightsConfig, trusted: set[bytes]
+        cls,
+        identity: Identity,
+        cfg: NodeWeightsConfig,
+        trusted: set[bytes],
+        *,
+        load: Callable[[WeightUpdate], Awaitable[None]],
+        current_version: Callable[[], int],
+        tracker: TrackerClient | None = None,
+        on_loaded: Callable[[], None] = lambda: None,
     ) -> SwarmWeights | None:
         """The node's swarm peer as configured (None when the swarm is switched off)."""
         if not cfg.swarm:
@@ -94,6 +114,10 @@ class SwarmWeights:
             cfg.peer,
             trusted,
             cfg.folder.expanduser() / identity.node_id,
+            load=load,
+            current_version=current_version,
+            tracker=tracker,
+            on_loaded=on_loaded,
             keep_versions=cfg.keep_versions,
             seeder_fallback_s=cfg.seeder_fallback_s,
         )
@@ -118,7 +142,7 @@ class SwarmWeights:
         digest = manifest.digest()
         if manifest.step != update.version or update.weights_hash not in ("", digest):
             raise ValueError("the update's version or hash does not match its manifest")
-        if digest in self.tasks or manifest.step <= self.current_version():
+        if digest in self.tasks or not is_newer(manifest.step, self.current_version()):
             return False
         self.versions[digest] = manifest.step
         self.tasks[digest] = asyncio.create_task(self._guarded(update, manifest, digest))
@@ -186,10 +210,13 @@ class SwarmWeights:
             path.name,
         )
         await self._announce(digest)
-        if manifest.step > self.current_version() and self.load is not None:
+        try:
             await self.load(
                 WeightUpdate(version=manifest.step, path=str(path), weights_hash=digest)
             )
+        except StaleWeights as exc:  # a newer version was loaded while this one came in
+            log.info("step %d fetched, not loaded: %s", manifest.step, exc)
+        else:
             self.on_loaded()
         await self._forget_old()
 

@@ -9,6 +9,10 @@ and the verification thresholds. Invariants:
   names is rejected without running the model.
 - Requests that cannot fit (prompt + max_tokens > max_model_len, token id outside the
   vocabulary) are refused before they reach the engine.
+- Weights only move forward: `is_newer` is the one rule (a version newer than the one
+  held), checked by every caller before it fetches or loads, and by `load_weights` on the
+  engine thread right before the swap, so two updates racing never leave the older one
+  loaded. Only an explicit reload of the version held (`only_newer=False`) is exempt.
 
 Accounting: `busy_s` holds the seconds this node has spent on each kind of work since it
 started: `generate` (engine generation batches, then building each rollout's proof) and
@@ -21,6 +25,7 @@ it on `GET /health`.
 from __future__ import annotations
 
 import asyncio
+import logging
 import threading
 import time
 from collections.abc import Callable
@@ -31,6 +36,7 @@ from typing import Literal, TypeVar
 import torch
 
 from node.batcher import Batcher
+from node.config import EngineConfig
 from node.engines.base import GenerationRequest, GenerationResult, InferenceEngine
 from node.proof_pool import ProofPool
 from protocol.envelope import open_envelope, seal
@@ -42,16 +48,36 @@ from protocol.messages import (
     Verdict,
     VerificationPolicy,
     VerifyRequest,
+    WeightUpdate,
 )
 from verifier.checks import check_rollout, check_rollout_proofs, replay_rollouts
 from verifier.proofs import ProofCheck, build_proof, build_proofs
 from verifier.sampling import ReplayResult
 
 T = TypeVar("T")
+log = logging.getLogger("prime.node.worker")
 
 
 class RequestRejected(ValueError):
     """A request the engine must not run (too long, bad token ids)."""
+
+
+class StaleWeights(RequestRejected):
+    """A weights update not newer than the version the node holds (HTTP 409)."""
+
+
+def is_newer(version: int, held: int) -> bool:
+    """The rule for every weights update, whoever brings it: a node moves only to a
+    version newer than the one it holds (a replayed or late update never rolls it back)."""
+    return version > held
+
+
+def require_newer(version: int, held: int) -> None:
+    """`is_newer`, or `StaleWeights` saying why not."""
+    if not is_newer(version, held):
+        raise StaleWeights(
+            f"this node holds weights version {held}: it loads only a newer one, not {version}"
+        )
 
 
 @dataclass
@@ -126,6 +152,7 @@ class Worker:
         self.policy = policy
         self.max_model_len = max_model_len
         self.pool_id = pool_id
+        self.weights_path: str | None = None  # folder of the last update loaded
         self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="engine")
         self.proofs = ProofPool(proof_processes)
         self.swaps_waiting = 0  # weight swaps queued behind the running generation
@@ -158,9 +185,41 @@ class Worker:
         self.busy_s = {"generate": 0.0, "verify": 0.0}
         self._busy_lock = threading.Lock()
 
+    @classmethod
+    def from_config(
+        cls,
+        engine: InferenceEngine,
+        identity: Identity,
+        policy: VerificationPolicy,
+        cfg: EngineConfig,
+        pool_id: str,
+    ) -> Worker:
+        """The worker of `engine` with every worker-side setting of `cfg` (the engine
+        itself was built from the same `cfg`)."""
+        return cls(
+            engine,
+            identity,
+            policy,
+            max_batch_size=cfg.max_batch_size,
+            batch_wait_s=cfg.batch_wait_ms / 1000,
+            max_model_len=cfg.max_model_len,
+            pool_id=pool_id,
+            proof_processes=cfg.proof_processes,
+        )
+
     @property
     def node_id(self) -> str:
         return self.identity.node_id
+
+    @property
+    def settings(self) -> dict[str, float | int]:
+        """The settings this worker runs with, read off its parts (for `/health`)."""
+        return {
+            "max_batch_size": self.gen_batcher.max_batch,
+            "batch_wait_ms": round(self.gen_batcher.wait_s * 1000, 3),
+            "max_model_len": self.max_model_len,
+            "proof_processes": self.proofs.processes,
+        }
 
     def start(self) -> None:
         self.gen_batcher.start()
@@ -261,16 +320,33 @@ class Worker:
                 proofs[i] = proof
         return proofs
 
-    async def load_weights(self, path, version: int, weights_hash: str) -> None:
-        """Swap weights on the engine thread, between generation runs: a running one stops
-        taking new requests, finishes the ones it holds, then the swap runs."""
+    async def load_weights(self, update: WeightUpdate, *, only_newer: bool = True) -> None:
+        """Swap `update`'s weights in (the caller checked who signed it) on the engine
+        thread, between generation runs: a running one stops taking new requests,
+        finishes the ones it holds, then the swap runs. The version is checked there,
+        against the one held at that moment (`StaleWeights`); a folder that cannot be
+        loaded is a `RequestRejected`."""
+
+        def swap() -> None:
+            if only_newer:
+                require_newer(update.version, self.engine.weights_version)
+            self.engine.load_weights(update.path, update.version, update.weights_hash)
+
         self.swaps_waiting += 1
         try:
-            await asyncio.get_running_loop().run_in_executor(
-                self.executor, self.engine.load_weights, path, version, weights_hash
-            )
+            await asyncio.get_running_loop().run_in_executor(self.executor, swap)
+        except StaleWeights:
+            raise
+        except (FileNotFoundError, ValueError, RuntimeError) as exc:
+            raise RequestRejected(f"cannot load weights from {update.path}: {exc}") from exc
         finally:
             self.swaps_waiting -= 1
+        self.weights_path = update.path
+        log.info(
+            "loaded weights version %d (%s)",
+            self.engine.weights_version,
+            self.engine.weights_hash[:12],
+        )
 
     # -- verification --------------------------------------------------------------
     def _prefill_and_replay(self, rollouts: list[Rollout]) -> list[Replayed]:

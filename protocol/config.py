@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 import tomli_w
-from pydantic import BaseModel, ConfigDict, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 S = TypeVar("S", bound=BaseSettings)
@@ -36,6 +36,21 @@ class Section(BaseModel):
     """Base for a config section: unknown keys refused, field docstrings kept as docs."""
 
     model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True)
+
+
+class HttpServerConfig(Section):
+    """What every HTTP API of the project (a node's, the scheduler's) is configured with;
+    each package's `ServerConfig` extends it with its own fields and defaults."""
+
+    host: str = "127.0.0.1"
+    """Address to listen on."""
+    port: int = Field(0, ge=0, le=65535)
+    """Port to listen on (0 picks a free one)."""
+    max_body_bytes: int = Field(16 * 1024 * 1024, ge=1024)
+    """Largest request body accepted; larger ones get 413."""
+    body_read_timeout_s: float = Field(30.0, gt=0, le=3600)
+    """A request body not received in full within this many seconds gets a JSON 408 and a
+    closed connection (a client that sends part of its body cannot hold a slot)."""
 
 
 class PrimeSettings(BaseSettings):
@@ -60,11 +75,12 @@ def _set_path(target: dict[str, Any], dotted: str, value: Any) -> None:
     target[keys[-1]] = value
 
 
-def _deep_merge(base: dict[str, Any], over: dict[str, Any]) -> dict[str, Any]:
+def deep_merge(base: dict[str, Any], over: dict[str, Any]) -> dict[str, Any]:
+    """`over` laid on `base`: sections merge key by key, any other value of `over` wins."""
     out = dict(base)
     for key, value in over.items():
         if isinstance(value, dict) and isinstance(out.get(key), dict):
-            out[key] = _deep_merge(out[key], value)
+            out[key] = deep_merge(out[key], value)
         else:
             out[key] = value
     return out
@@ -101,7 +117,7 @@ def parse_args(argv: list[str]) -> dict[str, Any]:
             path = arg[1:] if len(arg) > 1 else (argv[i + 1] if i + 1 < len(argv) else None)
             if not path:
                 raise ConfigError("'@' must be followed by a TOML file path")
-            files = _deep_merge(files, _read_toml(path))
+            files = deep_merge(files, _read_toml(path))
             i += 1 if len(arg) > 1 else 2
             continue
         if not arg.startswith("--") or len(arg) == 2:
@@ -115,12 +131,12 @@ def parse_args(argv: list[str]) -> dict[str, Any]:
                 value = "true"
         _set_path(flags, key, _parse_value(key, value))
         i += 1
-    return _deep_merge(files, flags)
+    return deep_merge(files, flags)
 
 
 def load_config(model: type[S], argv: list[str] | None = None, **overrides: Any) -> S:
     """Build `model` from argv (flags and @ files), PRIME_ env vars and defaults."""
-    values = _deep_merge(parse_args(argv or []), overrides)
+    values = deep_merge(parse_args(argv or []), overrides)
     try:
         return model(**values)
     except ValidationError as exc:

@@ -55,9 +55,10 @@ class ReplayCacheFullError(EnvelopeError):
     status = 503
 
 
-def _signed_part(
+def signed_part(
     v: int, sender: bytes, nonce: bytes, expires: float, kind: str, body: bytes
 ) -> bytes:
+    """The exact bytes an envelope's signature covers."""
     return pack([v, sender, nonce, expires, kind, body])
 
 
@@ -71,7 +72,7 @@ def seal_body(identity: Identity, kind: str, body: bytes, ttl_s: float = DEFAULT
     nonce = os.urandom(16)
     expires = time.time() + ttl_s
     sig = identity.sign(
-        _signed_part(PROTOCOL_VERSION, identity.public_key, nonce, expires, kind, body)
+        signed_part(PROTOCOL_VERSION, identity.public_key, nonce, expires, kind, body)
     )
     return pack(
         {
@@ -163,9 +164,7 @@ def open_envelope(
         raise CodecError("envelope fields have wrong types")
     if kind != model.__name__:
         raise CodecError(f"expected a signed {model.__name__}, got {kind!r}")
-    if not verify_signature(
-        sender, sig, _signed_part(v, sender, nonce, float(expires), kind, body)
-    ):
+    if not verify_signature(sender, sig, signed_part(v, sender, nonce, float(expires), kind, body)):
         raise EnvelopeError("bad signature")
     if trusted_senders is not None and sender not in trusted_senders:
         raise UntrustedSenderError(

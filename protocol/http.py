@@ -19,6 +19,8 @@ Invariants:
 - `body_timeout_middleware(s)` reads every request body within `s` seconds before the
   handler runs (aiohttp caches it: later reads are instant); a client that is slower gets
   a JSON 408 and its connection is closed, so a partial body never holds a connection.
+- `serve_app` is how a process serves its app until SIGINT/SIGTERM, the same way for
+  every server: on `HttpServerConfig`'s host and port, no banner, no access log.
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ from aiohttp.web_protocol import RequestPayloadError
 from pydantic import BaseModel, ValidationError
 
 from protocol.codec import CodecError
+from protocol.config import HttpServerConfig
 from protocol.envelope import EnvelopeError
 
 MSGPACK = "application/msgpack"
@@ -43,6 +46,24 @@ JSON_INT_MIN = -(2**63)
 JSON_INT_MAX = 2**64 - 1
 """Integers outside [JSON_INT_MIN, JSON_INT_MAX] are refused (msgpack, numpy and torch
 cannot hold them; no field of the protocol needs them)."""
+
+
+def serve_app(
+    app: web.Application,
+    cfg: HttpServerConfig,
+    loop: asyncio.AbstractEventLoop | None = None,
+) -> None:
+    """Serve `app` on `cfg.host`:`cfg.port` until SIGINT/SIGTERM (then its cleanup hooks
+    run). No banner and no access log: each process prints its own start line."""
+    web.run_app(
+        app,
+        host=cfg.host,
+        port=cfg.port,
+        print=None,
+        access_log=None,
+        handle_signals=True,
+        loop=loop,
+    )
 
 
 def error_response(status: int, message: str, kind: str = "invalid_request_error") -> web.Response:
@@ -108,6 +129,13 @@ def error_middleware(log: logging.Logger, extra: dict[type[Exception], int] | No
                 return resp
             log.warning("%s %s -> 504 timed out: %s", request.method, request.path, exc)
             return error_response(504, f"timed out: {exc or 'no answer in time'}", "timeout")
+        except ConnectionResetError:
+            # The client hung up mid-request: no one reads an answer, and a traceback per
+            # hang-up would let anyone flood the log for free. One short line.
+            log.info("%s %s: the client hung up mid-request", request.method, request.path)
+            resp = error_response(400, "the connection was lost mid-request")
+            resp.force_close()  # nobody is there to read it
+            return resp
         except Exception as exc:
             for cls, status in mapped:
                 if isinstance(exc, cls):

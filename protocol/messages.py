@@ -632,15 +632,93 @@ class ReputationPolicy(Message):
     """Gain (capped at 1) when a node's rollout is accepted or its verdict is upheld."""
     penalty_lost_dispute: float = Field(0.25, gt=0, le=1)
     """Loss of the side a dispute proves wrong (a generator whose rollout was rejected
-    by the judge, or a verifier whose rejection the judge overturned)."""
+    by the judge, or a verifier that accepted a rollout two others rejected)."""
+    overturned_rejection_factor: float = Field(1.2, ge=1, le=4)
+    """A verifier whose rejection is overturned loses this many times
+    `penalty_lost_dispute` (capped at 1): a false rejection costs an honest generator a
+    dispute and costs more than a bad rollout, so rejecting everything is the dearer lie."""
     ban_below: float = Field(0.3, ge=0, lt=1)
     """A node whose reputation falls below this is banned and its work re-dispatched."""
+
+    @property
+    def penalty_overturned_rejection(self) -> float:
+        """What a verifier loses when the judge overturns its rejection."""
+        return min(1.0, self.penalty_lost_dispute * self.overturned_rejection_factor)
 
     @model_validator(mode="after")
     def check_ban_below_initial(self) -> ReputationPolicy:
         if self.ban_below >= self.initial:
             raise ValueError("ban_below must be lower than initial, or every node starts banned")
         return self
+
+
+class CheckerPolicy(Message):
+    """Who may verify, judge and audit others' rollouts (DESIGN.md section 10, "Sybils").
+
+    Identities are free, so in a pool open to anyone the right to check is earned: a node
+    checks others only once enough rollouts of its own were accepted by nodes that
+    already check (verified, not spot-checked); the chain starts from the founding set:
+    `founders`, the allowlist in allowlist mode, every invited node in invite mode."""
+
+    earn_after: int = Field(0, ge=0, le=1_000_000)
+    """Accepted rollouts of its own a node needs before it checks others; 0: every admitted
+    node checks at once (for a pool whose admission vouches for its nodes)."""
+    founders: list[str] = Field(default_factory=list, max_length=10_000)
+    """Node ids that check from the start (the owner's own nodes)."""
+    honest_wrong_rate: float = Field(0.005, gt=0, lt=0.5)
+    """Share of an honest checker's verdicts that other checkers outvote (an overturned
+    rejection, or an acceptance two others rejected): the noise of its engines. Each
+    checker's verdicts are watched against it (`scheduler.checker_watch`)."""
+    suspect_wrong_rate: float = Field(0.05, gt=0, lt=1)
+    """The outvoted share the watch is tuned to catch: a checker wrong this often loses
+    the right to check after about log(1 / false_alarm_rate) / drift verdicts (some 200 at
+    the defaults), though rewards would keep its reputation up."""
+    false_alarm_rate: float = Field(1e-6, gt=0, lt=0.5)
+    """How rarely an honest checker at `honest_wrong_rate` loses its right (at most once in
+    1 / this many verdicts)."""
+    reearn_after: int = Field(32, ge=1, le=1_000_000)
+    """Accepted rollouts of its own a node that lost the right needs to check again."""
+    recent_window_s: float = Field(86_400.0, ge=0)
+    """A node admitted (first registered) less than this long ago is recent; founders never
+    are. Recent identities are the cheap ones: a Sybil can make many, but not make them old."""
+    recent_draw_share: float = Field(0.25, ge=0, le=1)
+    """Recent checkers together are drawn at most this share of the time while an
+    established one is eligible (uniform draws when they are fewer), so that no number of
+    recent identities dominates the verdicts."""
+    max_recent_checkers: int = Field(1, ge=0, le=3)
+    """At most this many of one rollout's checkers (verifier, auditor, judge) are recent;
+    a verdict that would need another waits for an established checker."""
+
+    @model_validator(mode="after")
+    def check_suspect_above_honest(self) -> CheckerPolicy:
+        if self.suspect_wrong_rate <= self.honest_wrong_rate:
+            raise ValueError(
+                "checkers.suspect_wrong_rate must be above checkers.honest_wrong_rate, or the "
+                "watch would take the right from honest checkers"
+            )
+        return self
+
+    @field_validator("founders")
+    @classmethod
+    def check_founders_are_node_ids(cls, v: list[str]) -> list[str]:
+        from protocol.identity import IdentityError, public_key_from_node_id
+
+        for node_id in v:
+            try:
+                public_key_from_node_id(node_id)
+            except IdentityError as exc:
+                raise ValueError(f"checkers.founders: {exc}") from exc
+        return v
+
+
+def check_founding_set(admission: AdmissionPolicy, checkers: CheckerPolicy) -> None:
+    """Raise ValueError if earned rights could never be earned (no one checks at first)."""
+    if checkers.earn_after and admission.mode == "open" and not checkers.founders:
+        raise ValueError(
+            "checkers.earn_after is set on an open pool without checkers.founders: nobody "
+            "could check the first rollouts, so nobody would ever earn the right; name the "
+            "owner's own nodes as founders"
+        )
 
 
 class PoolConfig(Message):
@@ -658,8 +736,22 @@ class PoolConfig(Message):
     """Verification policy and thresholds."""
     reputation: ReputationPolicy = ReputationPolicy()
     """Reputation and ban rule."""
+    checkers: CheckerPolicy = CheckerPolicy()
+    """Who may verify, judge and audit: earned rights and the founding set."""
     async_level: int = Field(2, ge=0, le=64)
     """Largest allowed age (in steps) of a rollout's policy at training time."""
+
+    @model_validator(mode="after")
+    def check_rights_have_a_founding_set(self) -> PoolConfig:
+        check_founding_set(self.admission, self.checkers)
+        return self
+
+    def founding_checkers(self) -> frozenset[str] | None:
+        """Node ids that check from the start; None when every admitted node does."""
+        if not self.checkers.earn_after or self.admission.mode == "invite":
+            return None  # rights are not earned, or every node holds an owner's invite
+        listed = self.admission.allowlist if self.admission.mode == "allowlist" else []
+        return frozenset([*self.checkers.founders, *listed])
 
 
 class FileEntry(Message):

@@ -11,6 +11,10 @@ Invariants:
   over the cap), every call waiting on it fails with `ChannelClosed` there and then, and
   `on_close` runs once; nothing waits for a timeout to learn that a link is gone.
 - At most `max_in_flight` calls are outstanding on one channel; more wait for a slot.
+- A connection proves its node within `hello_timeout_s` of its upgrade, whatever frames it
+  sends meanwhile, or is closed; at most `max_unauthenticated` connections (and
+  `max_unauthenticated_per_address` from one address) are in that phase at once: more
+  are answered 503 with Retry-After before any upgrade.
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ import contextlib
 import itertools
 import logging
 import os
+from collections import Counter
 from collections.abc import Callable
 
 import aiohttp
@@ -114,6 +119,7 @@ class NodeChannels:
         self.on_open = on_open
         self.on_close = on_close
         self.open: dict[str, Channel] = {}
+        self.in_hello: Counter[str] = Counter()  # connections in their hello, by address
 
     async def post(self, node: NodeRecord, route: str, body: bytes) -> bytes:
         channel = self.open.get(node.node_id)
@@ -136,11 +142,26 @@ class NodeChannels:
 
     # -- the route ---------------------------------------------------------------------
     async def handler(self, request: web.Request) -> web.WebSocketResponse:
+        address = request.remote or ""
+        if (
+            sum(self.in_hello.values()) >= self.cfg.max_unauthenticated
+            or self.in_hello[address] >= self.cfg.max_unauthenticated_per_address
+        ):
+            raise web.HTTPServiceUnavailable(
+                text="too many node channels waiting for their hello; retry later",
+                headers={"Retry-After": str(max(1, round(self.cfg.hello_timeout_s)))},
+            )
         ws = web.WebSocketResponse(
             heartbeat=self.cfg.ping_interval_s, max_msg_size=self.cfg.max_frame_bytes
         )
-        await ws.prepare(request)
-        node = await self._hello(ws)
+        self.in_hello[address] += 1
+        try:
+            await ws.prepare(request)
+            node = await self._hello(ws)
+        finally:
+            self.in_hello[address] -= 1
+            if not self.in_hello[address]:
+                del self.in_hello[address]
         if node is None:
             return ws
         channel = Channel(node, ws, self.cfg.max_in_flight)
@@ -182,7 +203,10 @@ class NodeChannels:
         challenge = os.urandom(CHALLENGE_BYTES)
         await ws.send_bytes(challenge_frame(challenge))
         try:
-            msg = await ws.receive(timeout=self.cfg.hello_timeout_s)
+            # One deadline for the whole hello: receive(timeout=) would restart on every
+            # ping or pong, and a connection that only pings would stay open for ever.
+            async with asyncio.timeout(self.cfg.hello_timeout_s):
+                msg = await ws.receive()
         except TimeoutError:
             await ws.close(code=CLOSE_REFUSED, message=b"no hello in time")
             return None

@@ -69,6 +69,7 @@ def pool_create(ctx: typer.Context) -> None:
         admission=cfg.admission,
         verification=cfg.verification,
         reputation=cfg.reputation,
+        checkers=cfg.checkers,
         async_level=cfg.async_level,
     )
     out = cfg.out or Path("configs/pools") / f"{cfg.pool_id}.pool"

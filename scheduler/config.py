@@ -13,9 +13,15 @@ from pathlib import Path
 
 from pydantic import Field, field_validator, model_validator
 
-from protocol.config import PrimeSettings, Section
+from protocol.config import HttpServerConfig, PrimeSettings, Section
 from protocol.identity import Identity, IdentityError, public_key_from_node_id
-from protocol.messages import AdmissionPolicy, ReputationPolicy, VerificationPolicy
+from protocol.messages import (
+    AdmissionPolicy,
+    CheckerPolicy,
+    ReputationPolicy,
+    VerificationPolicy,
+    check_founding_set,
+)
 
 
 class DatabaseConfig(Section):
@@ -39,18 +45,13 @@ class DatabaseConfig(Section):
         return v
 
 
-class ServerConfig(Section):
-    """The scheduler's HTTP API."""
+class ServerConfig(HttpServerConfig):
+    """The scheduler's HTTP API (host and body read timeout as every server's)."""
 
-    host: str = "127.0.0.1"
-    """Address to listen on."""
     port: int = Field(7000, ge=0, le=65535)
     """Port to listen on."""
     max_body_bytes: int = Field(64 * 1024 * 1024, ge=1024)
     """Largest request body accepted; larger ones get 413."""
-    body_read_timeout_s: float = Field(30.0, gt=0, le=3600)
-    """A request body not received in full within this many seconds gets a JSON 408 and a
-    closed connection (a client that sends part of its body cannot hold a slot)."""
 
 
 class LifecycleConfig(Section):
@@ -86,7 +87,13 @@ class ChannelConfig(Section):
     interval later is closed, its calls fail over to other nodes (a dead link is known
     within 1.5 intervals, however quiet the node is)."""
     hello_timeout_s: float = Field(10.0, gt=0, le=300)
-    """A connection that has not sent its signed hello by then is closed."""
+    """A connection that has not sent its signed hello by then is closed: a deadline from
+    the upgrade, which no ping, pong or other frame extends."""
+    max_unauthenticated: int = Field(256, ge=1, le=100_000)
+    """Connections still in their hello (not yet proven to be a registered node), from all
+    addresses together; one more is answered 503 with Retry-After, before any upgrade."""
+    max_unauthenticated_per_address: int = Field(16, ge=1, le=100_000)
+    """The same, from one client address."""
     max_frame_bytes: int = Field(64 * 1024 * 1024, ge=64 * 1024)
     """Largest frame taken from a node (an answer); larger ones close its channel."""
     max_in_flight: int = Field(1024, ge=1, le=65536)
@@ -158,6 +165,11 @@ class RateLimitConfig(Section):
     """Sustained requests per second from one client address (all routes)."""
     per_address_burst: int = Field(1000, ge=1)
     """Burst allowance per address."""
+    new_nodes_per_address_per_min: float = Field(30.0, gt=0)
+    """Registrations of node keys this scheduler does not know, per client address and
+    minute (a burst of as many is allowed); more get 429. A known key registering again (a
+    restarted node) is not counted. Identities are free: this caps how fast one address
+    mints them."""
     exempt_addresses: list[str] = []
     """Addresses never rate limited per address (a load balancer, a benchmark driver)."""
 
@@ -230,6 +242,9 @@ class PoolCreateConfig(PrimeSettings):
     """Spot-check rate and thresholds; use the calibrated tables in configs/verification/."""
     reputation: ReputationPolicy = ReputationPolicy()
     """Reputation changes and the ban threshold."""
+    checkers: CheckerPolicy = CheckerPolicy()
+    """Who may verify, judge and audit: for a pool open to anyone, earn_after = N accepted
+    rollouts and founders = [the owner's own node ids]."""
     async_level: int = Field(2, ge=0, le=64)
     """Largest allowed age (in steps) of a rollout's policy at training time."""
     out: Path | None = None
@@ -248,6 +263,11 @@ class PoolCreateConfig(PrimeSettings):
         except IdentityError as exc:
             raise ValueError(f"trainer must be a node id or a key file path: {exc}") from exc
         return v
+
+    @model_validator(mode="after")
+    def check_rights_have_a_founding_set(self) -> PoolCreateConfig:
+        check_founding_set(self.admission, self.checkers)
+        return self
 
     @field_validator("verification")
     @classmethod

@@ -71,6 +71,7 @@ nodes = Table(
     Column("registered_at", Float, nullable=False),
     Column("last_seen", Float, nullable=False),
     Column("reason", Text, nullable=False, default=""),
+    Column("earned", Integer, nullable=False, default=0, server_default="0"),
 )
 
 requests = Table(

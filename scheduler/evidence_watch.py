@@ -19,11 +19,15 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections import deque
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable
+from typing import Protocol
 
 from protocol.evidence import NodeEvidence, confirm_threshold
 from protocol.messages import EvidencePolicy, Rollout, RolloutRequest, Verdict
-from scheduler.registry import NodeRecord, Registry
+from scheduler.jobs import Judged
+from scheduler.node_record import NodeRecord
+from scheduler.registry import Registry
+from scheduler.verification import VerdictKind
 
 log = logging.getLogger("prime.scheduler.evidence")
 RECHECK = 32  # rollouts per generator kept for the fresh re-verification a flag triggers
@@ -43,7 +47,18 @@ def evidence_score(v: Verdict, temperature: float) -> tuple[float, int] | None:
     return None
 
 
-Judge = Callable[..., Awaitable]  # Dispatcher._judge(kind, rollout, raw, request, exclude, wait_s)
+class Judge(Protocol):
+    """Asks a node that is none of `exclude` for a verdict (`Dispatcher.judge`)."""
+
+    async def __call__(
+        self,
+        kind: VerdictKind,
+        rollout: Rollout,
+        raw: bytes,
+        request: RolloutRequest,
+        exclude: list[NodeRecord],
+        wait_s: float | None = None,
+    ) -> Judged | None: ...
 
 
 class EvidenceWatch:

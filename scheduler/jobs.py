@@ -3,8 +3,12 @@ bookkeeping, no I/O; `scheduler.dispatch` runs the protocol over them).
 
 A `Job` is one open request: submitted by the orchestrator (source "dispatch") or made by
 the OpenAI front for a client's call (source "openai"). The `JobTable` maps each open
-request id to its job and keeps the queue; `Released` is what became of a request (the
-front renders its answer from it); `Judged` is one verdict a node gave about a rollout.
+request id to its job and keeps the queue; `Generated` is a rollout a generator signed
+that passed the scheduler's own checks; `Judged` is one verdict a node gave about a
+rollout. What the dispatch loop releases is one value: a `Release` (a rollout, always with
+the generator that made it, and the verdicts that go out with it) or a `Failure` (no
+rollout and no generator, by construction). `Released` is what became of a request, as
+the OpenAI front renders it.
 
 Invariants:
 - At most one job is open per request id; a new batch never reopens an id that is open,
@@ -14,6 +18,8 @@ Invariants:
   (`next_open` drops it).
 - New work is refused (`Saturated`) once the queue would exceed `max_queued`; a job put
   back for another generator goes to the front of the queue.
+- A `Release` cannot be built without its generator (`Generated.gen`): whoever releases it
+  can always wait for that generator's settlement and check it is not banned.
 """
 
 from __future__ import annotations
@@ -26,7 +32,7 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from protocol.messages import MAX_SEED, Rollout, RolloutRequest, RolloutSpec, Verdict
-from scheduler.registry import NodeRecord
+from scheduler.node_record import NodeRecord
 
 Source = Literal["dispatch", "openai"]
 
@@ -50,6 +56,7 @@ class Job:
     attempts: int = 0
     tried: set[str] = field(default_factory=set)
     refusals: list[str] = field(default_factory=list)
+    refused_by: set[str] = field(default_factory=set)  # never asked again for this job
     task: asyncio.Task | None = None
 
     @property
@@ -78,6 +85,36 @@ class Released:
     rollout: Rollout | None = None
     refused: bool = False
     """Failed because nodes refused the request itself (the client's error)."""
+
+
+@dataclass(frozen=True)
+class Generated:
+    """A rollout `gen` signed (`raw`, the envelope) that passed the scheduler's checks."""
+
+    gen: NodeRecord
+    rollout: Rollout
+    raw: bytes
+
+
+@dataclass(frozen=True)
+class Release:
+    """Release `job` as accepted with this rollout: unverified (a spot check skipped it) or
+    with the verdicts (envelopes) that decided it."""
+
+    job: Job
+    generated: Generated
+    verdicts: tuple[bytes, ...] = ()
+    detail: str = ""
+
+
+@dataclass(frozen=True)
+class Failure:
+    """Release `job` as failed: no rollout, no generator. `refused`: nodes refused the
+    request itself (the client's error)."""
+
+    job: Job
+    why: str
+    refused: bool = False
 
 
 @dataclass

@@ -1,6 +1,7 @@
 """A node's lifecycle: the one table of legal state changes, and their one writer.
 
-This module owns `NodeRecord.state` (see `scheduler.registry`). `TRANSITIONS` maps each
+This module owns `NodeRecord.state` (`scheduler.node_record`; it imports nothing else of
+the scheduler, so no module here and the registry import each other). `TRANSITIONS` maps each
 legal `(from_state, to_state)` to the events that cause it; `transition` is the only code
 that assigns a node's state, and refuses (with `IllegalTransition`) any change the table
 does not list, leaving the state as it was. Callers still decide *when* an event applies
@@ -31,12 +32,10 @@ Invariants:
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, get_args
+from typing import get_args
 
 from protocol.messages import NodeState
-
-if TYPE_CHECKING:
-    from scheduler.registry import NodeRecord
+from scheduler.node_record import NodeRecord
 
 STATES: tuple[NodeState, ...] = get_args(NodeState)
 
@@ -44,9 +43,9 @@ STATES: tuple[NodeState, ...] = get_args(NodeState)
 HEARTBEAT = "heartbeat-with-channel"  # a heartbeat, or a channel opened, while connected
 SILENT = "silent"  # no heartbeat for unhealthy_after_s [Registry.sweep]
 SILENT_LONG = "silent-long"  # no heartbeat for dead_after_s [Registry.sweep]
-CHANNEL_DROPPED = "channel-dropped"  # its channel closed [server._channel_closed]
-CALLS_FAILING = "calls-failing"  # 3 calls in a row failed [Dispatcher._note_failure]
-BENCHED = "benched"  # calls in a row timed out [Dispatcher.note_timeout]
+CHANNEL_DROPPED = "channel-dropped"  # its channel closed [Registry.channel_closed]
+CALLS_FAILING = "calls-failing"  # calls in a row failed (5xx, error) [NodeCalls]
+BENCHED = "benched"  # calls in a row timed out [NodeCalls]
 RESTART_RESTORE = "restart-restore"  # loaded by a restarted scheduler [server._load_state]
 DRAIN = "drain"  # Deregister(stage="drain") [server.deregister]
 LEAVE = "leave"  # Deregister(stage="leave") [server.deregister]

@@ -23,6 +23,10 @@ Invariants:
   heartbeats arrive; until then, and whenever the channel drops, it gets no work.
 - A node silent past `unhealthy_after_s` gets no work; past `dead_after_s` it is dead and
   its in-flight work is re-dispatched.
+- The server builds the dispatcher's parts (`scheduler.store.Store`, the node-call layer
+  `scheduler.node_calls.NodeCalls`) and reaches the dispatcher only through its public
+  surface (start/stop, submit, results_after, kick, node_gone, queued, status); it writes
+  no node field itself (the registry and the lifecycle do).
 - Replicas (`scheduler.lease`): only the holder of the database lease loads state and
   serves; a standby answers 503 (except /health and /v1/pool) until the lease is free, then
   takes over exactly like a restart. Two replicas never dispatch together.
@@ -45,7 +49,13 @@ from sqlalchemy import select
 from protocol.channel import CONNECT_ROUTE
 from protocol.client import RemoteError
 from protocol.envelope import ReplayCache, open_envelope, seal
-from protocol.http import MSGPACK, body_timeout_middleware, error_middleware, error_response
+from protocol.http import (
+    MSGPACK,
+    body_timeout_middleware,
+    error_middleware,
+    error_response,
+    serve_app,
+)
 from protocol.identity import Identity
 from protocol.messages import (
     Deregister,
@@ -70,12 +80,14 @@ from scheduler.dashboard import dashboard_routes
 from scheduler.dispatch import Dispatcher, Saturated
 from scheduler.lease import ReplicaLease
 from scheduler.ledger import StaleUpdate, WeightsLedger
-from scheduler.lifecycle import CHANNEL_DROPPED, DRAIN, LEAVE, RESTART_RESTORE, allowed, transition
+from scheduler.lifecycle import DRAIN, LEAVE, RESTART_RESTORE, allowed, transition
 from scheduler.metrics import SchedulerMetrics
+from scheduler.node_calls import NodeCalls
 from scheduler.openai_front import OpenAIFront
 from scheduler.pool import read_pool
 from scheduler.ratelimit import RateLimited, RateLimiter
 from scheduler.registry import NodeRecord, Registry
+from scheduler.store import Store
 from scheduler.tracker import Tracker
 
 log = logging.getLogger("prime.scheduler")
@@ -91,11 +103,21 @@ class SchedulerServer:
         self.pool_id = self.pool.config.pool_id
         self.trainer_key = self.pool.config.trainer_public_key
         self.metrics = SchedulerMetrics()
-        self.registry = Registry(self.pool.config.reputation, cfg.dispatch.probation)
+        self.registry = Registry(
+            self.pool.config.reputation,
+            cfg.dispatch.probation,
+            self.pool.config.checkers,
+            self.pool.config.founding_checkers(),
+        )
         self.replay = ReplayCache()
         rl = cfg.rate_limits
         self.by_identity = RateLimiter(rl.per_identity_per_s, rl.per_identity_burst, "node key")
         self.by_address = RateLimiter(rl.per_address_per_s, rl.per_address_burst, "address")
+        self.new_nodes = RateLimiter(
+            rl.new_nodes_per_address_per_min / 60,
+            max(1, int(rl.new_nodes_per_address_per_min)),
+            "address (new node keys)",
+        )
         self.engine = db.create_engine(cfg.database.url)
         self.writer = db.Writer(self.engine, cfg.database.flush_interval_ms / 1000)
         self.channels = NodeChannels(
@@ -107,15 +129,17 @@ class SchedulerServer:
             self._channel_closed,
         )
         self.ledger = WeightsLedger()
+        # The dispatcher's parts: the store (durable state) and the node-call layer.
+        self.store = Store(self.engine, self.writer, self.pool_id)
+        self.calls = NodeCalls(self.channels, self.store.persist_node)
         self.dispatcher = Dispatcher(
             self.pool,
             identity,
             self.registry,
-            self.engine,
-            self.writer,
+            self.store,
+            self.calls,
             cfg.dispatch,
             self.metrics,
-            self.channels,
             self.ledger,
         )
         self.openai = OpenAIFront(self.dispatcher, self.pool, cfg.openai, cfg.dispatch)
@@ -202,7 +226,6 @@ class SchedulerServer:
         await self.engine.dispose()
 
     async def _load_state(self) -> None:
-        now = time.time()
         await self.ledger.load(self.engine)
         async with self.engine.connect() as conn:
             rows = (await conn.execute(select(db.nodes))).all()
@@ -210,7 +233,7 @@ class SchedulerServer:
             node = NodeRecord(**{k: v for k, v in r._mapping.items() if k != "pool_id"})
             # A restart is not the nodes' fault: give them a fresh heartbeat window.
             if node.state in ("healthy", "registered", "unhealthy", "draining"):
-                node.last_seen = now
+                self.registry.touch(node)
             if node.state == "healthy":
                 transition(node, "unhealthy", RESTART_RESTORE)  # until it reconnects
             self.registry.add(node)
@@ -272,8 +295,8 @@ class SchedulerServer:
                 "healthy_versions": dict(
                     Counter(str(n.weights_version) for n in self.registry.healthy())
                 ),
-                "queued": len(self.dispatcher.jobs.queue),
-                "open_requests": len(self.dispatcher.jobs),
+                "queued": self.dispatcher.queued,
+                "open_requests": self.dispatcher.open_requests,
                 # Weight swarms the tracker knows: members and seeds per manifest hash.
                 "swarms": self.tracker.counts(),
             }
@@ -287,6 +310,9 @@ class SchedulerServer:
         req = opened.message
         node_id = opened.sender_id
         existing = self.registry.get(node_id)
+        address = request.remote or ""
+        if existing is None and address not in self.cfg.rate_limits.exempt_addresses:
+            self.new_nodes.check(address, address)  # identities are free: cap their minting
         try:
             await admit(self.engine, self.pool, opened, existing)
         except Refused as exc:
@@ -310,9 +336,9 @@ class SchedulerServer:
         )
         if existing is not None:
             # It restarted: its calls are gone, and it opens a new channel.
-            self.dispatcher.node_died(existing, "the node registered again")
+            self.dispatcher.node_gone(existing, "the node registered again")
         self.registry.add(node)
-        await self.dispatcher.persist_node(node)
+        await self.store.persist_node(node)
         log.info("admitted %s (%s) from %s", node_id, req.operator or "no operator", node.address)
         self.dispatcher.kick()
         return self._signed(
@@ -332,19 +358,14 @@ class SchedulerServer:
         self.metrics.heartbeats_total.inc()
         if node.state not in ("banned", "left", "dead"):
             was = node.state
-            node.weights_version = hb.weights_version
-            node.weights_hash = hb.weights_hash or node.weights_hash
-            node.stats = hb.stats
-            node.failures = 0
-            if node.state != "draining":
-                self.registry.seen(node)
-            else:
-                node.last_seen = time.time()
+            # A heartbeat does not end a run of failing calls: a benched node stays out of
+            # work until its bench ends (`scheduler.node_calls`).
+            self.registry.heard(node, hb)
             self._seen_dirty.add(node.node_id)
             if node.state != was:
                 # A state change is durable at once (a restart must not forget it).
-                self.dispatcher.persist_node(node)
-            if node.state != was or self.dispatcher.jobs.queue:
+                self.store.persist_node(node)
+            if node.state != was or self.dispatcher.queued:
                 # A node that became healthy or loaded new weights may take queued work.
                 self.dispatcher.kick()
         elif node.state == "dead":
@@ -359,15 +380,15 @@ class SchedulerServer:
     async def deregister(self, request: web.Request) -> web.Response:
         opened = await self._open(request, Deregister)
         node = self._node(opened)
-        node.last_seen = time.time()  # a draining node polls here instead of heartbeating
+        self.registry.touch(node)  # a draining node polls here instead of heartbeating
         to, event = ("draining", DRAIN) if opened.message.stage == "drain" else ("left", LEAVE)
         # A node that left or died stays so (registering again makes a new record).
         if node.state != "banned" and allowed(node.state, to, event):
             transition(node, to, event)
-            await self.dispatcher.persist_node(node)
+            await self.store.persist_node(node)
             log.info("%s is %s", node.label, node.state)
         if node.state == "left":
-            self.dispatcher.node_died(node)
+            self.dispatcher.node_gone(node)
         return self._signed(NodeAck(state=node.state, in_flight=node.in_flight))
 
     # -- routes: orchestrator ----------------------------------------------------------
@@ -383,7 +404,7 @@ class SchedulerServer:
 
     async def results(self, request: web.Request) -> web.Response:
         q = (await self._open(request, ResultsQuery, trusted={self.trainer_key})).message
-        rows = await self.dispatcher.results.after(q.after, q.limit, q.wait_s)
+        rows = await self.dispatcher.results_after(q.after, q.limit, q.wait_s)
         page = [
             RolloutResult(
                 seq=r.seq,
@@ -431,18 +452,15 @@ class SchedulerServer:
     def _channel_opened(self, node: NodeRecord) -> None:
         """`node` proved its key over a channel it opened: it can be called now, so it
         may turn healthy at once (it heartbeats anyway)."""
-        node.connected = True
-        self.registry.seen(node)
+        self.registry.channel_opened(node)
         if node.state == "healthy":
-            self.dispatcher.persist_node(node)
+            self.store.persist_node(node)
             self.dispatcher.kick()
 
     def _channel_closed(self, node: NodeRecord) -> None:
         """No call reaches `node` until it reconnects: no new work for it meanwhile."""
-        node.connected = False
-        if node.state == "healthy":
-            transition(node, "unhealthy", CHANNEL_DROPPED)
-            self.dispatcher.persist_node(node)
+        if self.registry.channel_closed(node):
+            self.store.persist_node(node)
 
     async def _push_weights(self, node: NodeRecord, raw: bytes) -> None:
         """Hand the trainer's signed update to a node now (heartbeats relay it too, later):
@@ -461,9 +479,7 @@ class SchedulerServer:
                 "weights push to %s failed: %s (its heartbeat will relay them)", node.label, exc
             )
             return
-        if node.state == "healthy" and int(held["weights_version"]) >= node.weights_version:
-            node.weights_version = int(held["weights_version"])
-            node.weights_hash = str(held["weights_hash"])
+        if self.registry.holds(node, int(held["weights_version"]), str(held["weights_hash"])):
             self.dispatcher.kick()
 
     # -- background --------------------------------------------------------------------
@@ -474,15 +490,15 @@ class SchedulerServer:
             for node in self.registry.sweep(time.time(), lc.unhealthy_after_s, lc.dead_after_s):
                 log.warning("%s is %s (no heartbeat)", node.label, node.state)
                 if node.state == "dead":
-                    self.dispatcher.node_died(node)
-                self.dispatcher.persist_node(node)
+                    self.dispatcher.node_gone(node)
+                self.store.persist_node(node)
 
     def _write_seen(self) -> None:
         dirty, self._seen_dirty = self._seen_dirty, set()
         for node_id in dirty:
             node = self.registry.get(node_id)
             if node is not None:
-                self.dispatcher.persist_node(node)
+                self.store.persist_node(node)
 
     async def _flush_seen(self) -> None:
         while True:
@@ -491,21 +507,18 @@ class SchedulerServer:
 
     def _refresh_gauges(self) -> None:
         self.metrics.set_node_states(self.registry.counts())
-        self.metrics.queue_depth.set(len(self.dispatcher.jobs.queue))
+        self.metrics.queue_depth.set(self.dispatcher.queued)
         self.metrics.in_flight.set(sum(n.in_flight for n in self.registry.nodes.values()))
 
     def dashboard_state(self) -> dict:
         now = time.time()
-        d = self.dispatcher
-        totals = dict(d.totals)
-        totals["queued"] = len(d.jobs.queue)
-        totals["in_flight"] = len(d.jobs) - len(d.jobs.queue)
+        status = self.dispatcher.status()
         return {
             "pool_id": self.pool_id,
             "scheduler_id": self.identity.node_id,
             "time": now,
             "weights_version": self.ledger.version,
-            "totals": totals,
+            "totals": status["totals"],
             "nodes": [
                 {
                     "node_id": n.node_id,
@@ -523,7 +536,7 @@ class SchedulerServer:
                 }
                 for n in sorted(self.registry.nodes.values(), key=lambda n: n.registered_at)
             ],
-            "recent_verdicts": list(d.recent_verdicts),
+            "recent_verdicts": status["recent_verdicts"],
         }
 
 
@@ -541,15 +554,7 @@ def run(cfg: SchedulerConfig) -> None:
         f"http://{cfg.server.host}:{cfg.server.port} (dashboard: /dashboard)",
         flush=True,
     )
-    web.run_app(
-        server.app(),
-        host=cfg.server.host,
-        port=cfg.server.port,
-        print=None,
-        access_log=None,
-        handle_signals=True,
-        loop=_fast_loop(),
-    )
+    serve_app(server.app(), cfg.server, loop=_fast_loop())
 
 
 def _fast_loop() -> asyncio.AbstractEventLoop:

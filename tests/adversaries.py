@@ -570,6 +570,18 @@ class RejectAllVerifier(_worker_base()):
         return verdict, seal(self.identity, verdict, ttl_s=3600)
 
 
+class SybilWorker(RejectAllVerifier):
+    """A free identity of the attack on open pools (issue 26): never answers a generation
+    (it spends nothing; only timeouts bench it, slowly) and rejects every rollout it is
+    asked to verify. Where every admitted node checks at once, a handful of them decide
+    disputes against honest generators; where the right to check is earned
+    (`CheckerPolicy`), they never earn it."""
+
+    async def generate(self, request, top_logprobs=0):
+        await asyncio.sleep(10**9)
+        raise AssertionError("unreachable")
+
+
 class AcceptAllVerifier(RejectAllVerifier):
     """Generates honestly but accepts every rollout it is asked to verify, unchecked (it
     saves the prefill, or vouches for an accomplice). Caught by audits
@@ -578,6 +590,35 @@ class AcceptAllVerifier(RejectAllVerifier):
 
     async def verify(self, request):
         return self._verdict(request, accepted=True)
+
+
+class TurncoatWorker(RejectAllVerifier):
+    """Honest until it has generated `PRIME_TURN_AFTER` rollouts (default 6: enough for its
+    right to check to be earned), then rejects every rollout it is asked to verify. Where
+    checkers are drawn at random it decides disputes with its kind; where a rollout has at
+    most one recent checker, established judges overturn it and it is banned."""
+
+    async def generate(self, request, top_logprobs=0):
+        self.turncoat_generated = getattr(self, "turncoat_generated", 0) + 1
+        return await super().generate(request, top_logprobs)
+
+    async def verify(self, request):
+        if getattr(self, "turncoat_generated", 0) < int(os.environ.get("PRIME_TURN_AFTER", "6")):
+            return await super(RejectAllVerifier, self).verify(request)
+        return self._verdict(request, accepted=False)
+
+
+class AccompliceVerifier(RejectAllVerifier):
+    """Generates and verifies honestly, except that it accepts every rollout of the node
+    ids in `PRIME_ACCOMPLICES` (comma-separated): a judge that sides with its cheater."""
+
+    async def verify(self, request):
+        from protocol.envelope import open_envelope
+
+        rollout = open_envelope(request.rollout_envelope, Rollout, check_expiry=False).message
+        if rollout.node_id in os.environ.get("PRIME_ACCOMPLICES", "").split(","):
+            return self._verdict(request, accepted=True)
+        return await super(RejectAllVerifier, self).verify(request)
 
 
 def _corrupting_swarm():
@@ -845,6 +886,9 @@ DISHONEST_WORKERS = {
     # verifier cheats (generate honestly)
     "reject-all": RejectAllVerifier,
     "accept-all": AcceptAllVerifier,
+    "sybil": SybilWorker,  # and never answers a generation
+    "turncoat": TurncoatWorker,  # honest until it may check, then rejects everything
+    "accomplice": AccompliceVerifier,  # accepts everything of the nodes it names
     # other
     "corrupt-pieces": CorruptPiecesWorker,
     "silent": SilentWorker,

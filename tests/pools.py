@@ -21,6 +21,7 @@ import httpx
 from protocol.identity import Identity
 from protocol.messages import (
     AdmissionPolicy,
+    CheckerPolicy,
     PoolConfig,
     ReputationPolicy,
     RolloutResult,
@@ -152,6 +153,7 @@ class Pool:
         wait: bool = True,
         dishonest: str | None = None,
         wrap: tuple[str, ...] = (),
+        env: dict[str, str] | None = None,
     ) -> ManagedProcess:
         """Start `prime-node join` on the tiny model (or a dishonest node of kind `dishonest`,
         see tests.adversaries.DISHONEST_WORKERS); wait until the scheduler sees it healthy.
@@ -188,7 +190,7 @@ class Pool:
             "" if wrap else f"http://127.0.0.1:{port}/health",
             self.workdir / f"{name}.log",
             cwd=REPO,
-            env={"OMP_NUM_THREADS": "1"},
+            env={"OMP_NUM_THREADS": "1", **(env or {})},
             wait=False,
         )
         self.nodes[name] = child
@@ -203,10 +205,14 @@ class Pool:
             self.node_id(name), "healthy", 60 if self.nodes[name].health_url else timeout_s
         )
 
-    def join_many(self, names: list[str], **dishonest: str) -> None:
-        """Start several nodes at once (start-up is mostly imports: overlap them)."""
+    def join_many(
+        self, names: list[str], env: dict[str, str] | None = None, **dishonest: str
+    ) -> None:
+        """Start several nodes at once (start-up is mostly imports: overlap them); `env`
+        is added to the environment of the dishonest ones."""
         for name in names:
-            self.join(name, dishonest=dishonest.get(name), wait=False)
+            kind = dishonest.get(name)
+            self.join(name, dishonest=kind, wait=False, env=env if kind else None)
         for name in names:
             self.wait_joined(name)
 
@@ -249,6 +255,8 @@ def make_pool(
     reputation: ReputationPolicy | None = None,
     verification: VerificationPolicy | None = None,
     model: str = "tiny",
+    async_level: int = 2,
+    checkers: CheckerPolicy | None = None,
 ) -> Pool:
     workdir.mkdir(parents=True, exist_ok=True)
     owner = Identity.load_or_create(workdir / "owner.key")
@@ -260,6 +268,8 @@ def make_pool(
         admission=admission or AdmissionPolicy(),
         verification=verification or tiny_verification(),
         reputation=reputation or ReputationPolicy(),
+        checkers=checkers or CheckerPolicy(),
+        async_level=async_level,
     )
     pool_file = write_pool(workdir / f"{pool_id}.pool", owner, config)
     url = db_url or f"sqlite+aiosqlite:///{workdir / 'scheduler.db'}"

@@ -59,16 +59,21 @@ def sft_warmup(run: Path, *args: str) -> tuple[Path, float]:
 
 @contextlib.contextmanager
 def serving_pool(
-    workdir: Path, model: Path, workers: int = 3, dishonest: Sequence[str] = ()
+    workdir: Path,
+    model: Path,
+    workers: int = 3,
+    dishonest: Sequence[str] = (),
+    async_level: int = 2,
 ) -> Iterator[Pool]:
     """A scheduler and `workers` nodes serving `model`, stopped on exit. `dishonest`: kinds
     (`tests.adversaries.DISHONEST_WORKERS`) of that many of the `workers`, named d0, d1, ...;
-    the honest ones are w0, w1, ..."""
+    the honest ones are w0, w1, ... The pool is signed with `async_level`: an rl run on it
+    must pass the same `--async-level`."""
     if len(dishonest) > workers:
         raise ValueError(f"{len(dishonest)} dishonest workers in a pool of {workers}")
     honest = [f"w{i}" for i in range(workers - len(dishonest))]
     cheats = {f"d{i}": kind for i, kind in enumerate(dishonest)}
-    pool = make_pool(workdir, model=str(model))
+    pool = make_pool(workdir, model=str(model), async_level=async_level)
     try:
         pool.start_scheduler(*FAST_HEARTBEATS)
         pool.join_many([*honest, *cheats], **cheats)
@@ -108,10 +113,13 @@ def run_rl(pool: Pool, model: Path, run: Path, *args: str, timeout: float = 600)
     return time.monotonic() - t0
 
 
-def rl_through_pool(workdir: Path, model: Path, *args: str, workers: int = 3) -> tuple[Path, float]:
+def rl_through_pool(
+    workdir: Path, model: Path, *args: str, workers: int = 3, async_level: int = 2
+) -> tuple[Path, float]:
     """`prime-trainer rl @ configs/rl/reverse-text-tiny.toml` on a fresh pool serving
-    `model`; returns the run directory and the seconds the rl command took."""
-    with serving_pool(workdir, model, workers) as pool:
+    `model` (signed with `async_level`, which `args` must not contradict); returns the run
+    directory and the seconds the rl command took."""
+    with serving_pool(workdir, model, workers, async_level=async_level) as pool:
         run = workdir / "run"
         return run, run_rl(pool, model, run, *args)
 

@@ -2,7 +2,9 @@
 
 - `rl`: one RL run; starts a trainer (under torchrun when trainer.nproc > 1) and an
   orchestrator as child processes, shows their progress, stops both if either fails,
-  and plots the run at the end.
+  and plots the run at the end. Its config contains both processes' configs
+  (`--trainer.<any train flag>`, `--orchestrator.<any orchestrate flag>`) and sets what
+  they share once, at the top level (`--async-level`, `--max-steps`, `--model.name`, ...).
 - `train` / `orchestrate`: each half alone (multi-node deployments).
 - `sft`: supervised warm-up on an environment's bundled data.
 - `eval`: mean reward of whatever serves an OpenAI-compatible endpoint.
@@ -34,7 +36,7 @@ EXTRA = {"allow_extra_args": True, "ignore_unknown_options": True}
 
 @app.command(context_settings=EXTRA)
 def rl(ctx: typer.Context) -> None:
-    """Run RL: trainer + orchestrator on one pool (`@ configs/rl/reverse-text.toml`)."""
+    """Run RL: trainer + orchestrator on one pool (`@ configs/rl/local-swarm-tiny.toml`)."""
     from trainer.config import RLConfig
     from trainer.launcher import run_rl
 

@@ -24,7 +24,7 @@ from pathlib import Path
 
 from protocol.identity import Identity
 from protocol.processes import free_port
-from trainer.config import RLConfig
+from trainer.config import RLConfig, read_pool
 from verifier.models import resolve_model
 
 
@@ -70,7 +70,7 @@ class LocalPool:
 
     @property
     def pool_file(self) -> Path:
-        return self.root / f"{self.ls.pool_id}.pool"
+        return self.cfg.local_pool_file
 
     @property
     def api_key_file(self) -> Path:
@@ -174,11 +174,7 @@ class LocalPool:
         """`--engine.*` flags for the pool's one engine mix, so a worker generates with what
         the thresholds were calibrated for (a CPU pool on a GPU machine stays on the CPU);
         none when the pool admits several mixes (the worker's own defaults pick one)."""
-        from protocol.envelope import open_envelope
-        from protocol.messages import PoolConfig
-
-        pool = open_envelope(self.pool_file.read_bytes(), PoolConfig, check_expiry=False).message
-        mixes = pool.verification.engine_mixes
+        mixes = read_pool(self.pool_file).verification.engine_mixes
         if len(mixes) != 1:
             return []
         mix = mixes[0]
@@ -192,15 +188,18 @@ class LocalPool:
         ]
 
     def rl_config(self) -> RLConfig:
-        """The run's config pointed at this pool (the children get it resolved)."""
-        cfg = self.cfg
-        orch = cfg.orchestrator.model_copy(
-            update={
+        """The run's config pointed at this pool (the children get it resolved), validated
+        again: the pool it now names must be signed with the run's async_level."""
+        changes = {
+            "orchestrator": {
                 "pool": self.pool_file,
                 "scheduler": self.url,
                 "trainer_key": self.keys / "trainer.key",
                 "api_key_file": self.api_key_file,
-            }
-        )
-        model = cfg.model.model_copy(update={"name": self.policy()})
-        return cfg.model_copy(update={"orchestrator": orch, "model": model})
+            },
+            "model": {"name": self.policy()},
+        }
+        try:
+            return self.cfg.with_changes(changes)
+        except ValueError as exc:
+            raise LaunchError(f"the run does not fit its local pool: {exc}") from exc

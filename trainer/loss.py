@@ -59,16 +59,17 @@ def _bwd_math_ent(
     return (g_z / temp).to(dtype)
 
 
-_COMPILED: dict[str, Callable] = {}
+# Compiled loss functions by name, built once per process (the trainer bench clears it).
+COMPILED: dict[str, Callable] = {}
 
 
 def _fused(fn: Callable, device: torch.device) -> Callable:
     """`fn` fused by torch.compile on CUDA; plain `fn` elsewhere (CPU compile starts slowly)."""
     if device.type != "cuda":
         return fn
-    if fn.__name__ not in _COMPILED:
-        _COMPILED[fn.__name__] = torch.compile(fn, dynamic=False)
-    return _COMPILED[fn.__name__]
+    if fn.__name__ not in COMPILED:
+        COMPILED[fn.__name__] = torch.compile(fn, dynamic=False)
+    return COMPILED[fn.__name__]
 
 
 _MM_OUT_DTYPE: list[bool] = []  # [] untried, [True] torch.mm(..., out_dtype) works here

@@ -39,7 +39,7 @@ from protocol.scheduler_client import SchedulerClient
 from protocol.tokenizer import ChatTokenizer
 from trainer.batch import Batch, TrainingSample, batch_path, oldest_admissible, write_batch
 from trainer.checkpoint import step_dir
-from trainer.config import OrchestratorConfig
+from trainer.config import OrchestratorConfig, check_pool_async_level, read_pool
 from trainer.envs import load_environment, openai_client
 from trainer.monitor import Monitor
 from trainer.rollouts import Verdict, build_samples, episodes_from_outputs
@@ -79,10 +79,10 @@ class Orchestrator:
     def __init__(self, cfg: OrchestratorConfig):
         self.cfg = cfg
         try:
-            pool = open_envelope(Path(cfg.pool).read_bytes(), PoolConfig, check_expiry=False)
-        except Exception as exc:
-            raise OrchestratorError(f"cannot read the pool file {cfg.pool}: {exc}") from exc
-        self.pool: PoolConfig = pool.message
+            self.pool: PoolConfig = read_pool(cfg.pool)
+            check_pool_async_level(cfg.async_level, self.pool, cfg.pool)
+        except ValueError as exc:
+            raise OrchestratorError(str(exc)) from exc
         if not Path(cfg.trainer_key).exists():
             raise OrchestratorError(f"trainer key {cfg.trainer_key} not found")
         self.identity = Identity.load_or_create(cfg.trainer_key)

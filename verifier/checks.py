@@ -26,6 +26,7 @@ from collections.abc import Callable
 
 import torch
 
+from protocol.answers import request_mismatches
 from protocol.messages import CheckResult, Rollout, RolloutRequest, VerificationPolicy
 from verifier.proofs import ProofCheck, check_proof, check_proofs
 from verifier.sampling import ReplayResult, RowLogits, RowParams, replay_spec, row_spec
@@ -37,18 +38,7 @@ DEFAULT_EVIDENCE_CAP = 1.0  # `EvidencePolicy.cap` of a pool without per-node ev
 def check_request(rollout: Rollout, request: RolloutRequest | None) -> CheckResult:
     if request is None:
         return CheckResult(name="request", passed=True, detail="no request given")
-    wrong = [
-        name
-        for name, ok in (
-            ("request_id", rollout.request_id == request.request_id),
-            ("pool_id", rollout.pool_id == request.pool_id),
-            ("prompt_ids", rollout.prompt_ids == request.prompt_ids),
-            ("sampling", rollout.sampling == request.sampling),
-            ("seed", rollout.seed == request.seed),
-            ("proof_params", rollout.proof_params == request.proof),
-        )
-        if not ok
-    ]
+    wrong = request_mismatches(rollout, request)
     return CheckResult(
         name="request",
         passed=not wrong,

@@ -1,14 +1,16 @@
 """One fused pass per row for the replay of seeded sampling: the best perturbed score, its
 index and the log-sum-exp of the scaled logits, without the [rows, V] temporaries of
-`verifier.sampling` (its noise is ~20 elementwise passes over int64 and float64 arrays,
-which on a GPU are memory-bound and slower than the model's forward).
+`verifier.sampling` (`verifier.noise` is ~20 elementwise passes over int64 and float64
+arrays, which on a GPU are memory-bound and slower than the model's forward).
 
-Owns a Triton kernel (CUDA only) and a pure-torch fallback with the same signature.
+Owns a Triton kernel (CUDA only) and a pure-torch fallback with the same signature. Imports
+only `verifier.noise` from the project (the sampler imports this module, not the reverse).
 
 Invariants:
-- Bit-identical choices to `verifier.sampling`: the same SplitMix64 noise in wrapping int64,
-  the same float64 transforms in the same order, the same float32 rounding of
-  ``logits / T`` (IEEE round-to-nearest division) and of ``scaled + noise``.
+- Bit-identical choices to `verifier.sampling`: the same SplitMix64 noise in wrapping int64
+  (`verifier.noise`'s constants), the same float64 transforms in the same order, the same
+  float32 rounding of ``logits / T`` (IEEE round-to-nearest division) and of
+  ``scaled + noise``.
 - Ties: the first index of the maximum wins, as with ``torch.argmax``.
 - A -inf logit gives a -inf score and adds nothing to the log-sum-exp; a row that is all
   -inf gives index 0 and a log-sum-exp of -inf, as torch does. NaN logits are not handled.
@@ -21,7 +23,7 @@ import functools
 
 import torch
 
-from verifier.sampling import _C1, _C2, _GOLDEN, _noise_from_keys, _signed
+from verifier.noise import C1, C2, GOLDEN, noise_from_keys, to_int64
 
 try:
     import triton
@@ -48,23 +50,23 @@ def row_best_and_lse(
     logits: torch.Tensor, t: torch.Tensor, keys: torch.Tensor, stochastic: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """logits [R, V] (bf16 or fp32, row-contiguous), t [R] float32 temperature scale (1.0 for
-    greedy), keys [R] int64 row keys (= `verifier.sampling.row_key(seed, position)` per row,
+    greedy), keys [R] int64 row keys (= `verifier.noise.row_key(seed, position)` per row,
     i.e. already mixed), stochastic [R] bool (T > 0).
 
     scaled = logits.float() / t[:, None]; score = scaled + noise * stochastic, with noise =
-    `verifier.sampling._noise_from_keys(keys, V)`. Returns best [R] float32 = max(score),
+    `verifier.noise.noise_from_keys(keys, V)`. Returns best [R] float32 = max(score),
     best_idx [R] int64 = first index of that max (torch.argmax semantics), lse [R] float32 =
     logsumexp(scaled). No [R, V] temporary is allocated on the Triton path."""
     if triton_available(logits.device):
         with torch.cuda.device(logits.device):
-            return _row_best_and_lse_triton(logits, t, keys, stochastic, _sm_count(logits.device))
-    return _row_best_and_lse_torch(logits, t, keys, stochastic)
+            return row_best_and_lse_triton(logits, t, keys, stochastic, _sm_count(logits.device))
+    return row_best_and_lse_torch(logits, t, keys, stochastic)
 
 
-def _row_best_and_lse_torch(
+def row_best_and_lse_torch(
     logits: torch.Tensor, t: torch.Tensor, keys: torch.Tensor, stochastic: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """`row_best_and_lse` from `verifier.sampling`'s own operations (the reference)."""
+    """`row_best_and_lse` from `verifier.noise`'s own operations (the reference)."""
     vocab = logits.shape[-1]
     rows = max(1, _TORCH_BLOCK_ELEMS // max(vocab, 1))
     best, best_idx, lse = [], [], []
@@ -73,7 +75,7 @@ def _row_best_and_lse_torch(
         stoch = stochastic[i : i + rows]
         scores = scaled
         if bool(stoch.any()):
-            scores = scaled + _noise_from_keys(keys[i : i + rows], vocab) * stoch[:, None]
+            scores = scaled + noise_from_keys(keys[i : i + rows], vocab) * stoch[:, None]
         idx = scores.argmax(dim=-1)
         best.append(scores.gather(-1, idx[:, None])[:, 0])
         best_idx.append(idx)
@@ -103,7 +105,7 @@ def _segments(rows: int, vocab: int, programs: int, block: int) -> tuple[int, in
     return seg_len, triton.cdiv(vocab, seg_len)
 
 
-def _row_best_and_lse_triton(
+def row_best_and_lse_triton(
     logits: torch.Tensor,
     t: torch.Tensor,
     keys: torch.Tensor,
@@ -151,19 +153,20 @@ def _row_best_and_lse_triton(
 
 
 if triton is not None:
-    # verifier.sampling's constants as signed int64 (Triton types them int64: out of int32 range).
-    _GOLDEN_I64 = tl.constexpr(_signed(_GOLDEN))
-    _C1_I64 = tl.constexpr(_signed(_C1))
-    _C2_I64 = tl.constexpr(_signed(_C2))
+    # verifier.noise's constants as signed int64 (Triton types them int64: out of int32 range).
+    _GOLDEN_I64 = tl.constexpr(to_int64(GOLDEN))
+    _C1_I64 = tl.constexpr(to_int64(C1))
+    _C2_I64 = tl.constexpr(to_int64(C2))
     _MASK34 = tl.constexpr((1 << 34) - 1)
     _MASK37 = tl.constexpr((1 << 37) - 1)
     _MASK33 = tl.constexpr((1 << 33) - 1)
     _MASK53 = tl.constexpr((1 << 53) - 1)
 
     @triton.jit
-    def _gumbel(key, idx):
-        """`verifier.sampling._noise_block` for one row key and a tile of vocabulary indices,
-        operation for operation: wrapping int64, arithmetic shifts then masks, float64."""
+    def tile_noise(key, idx):
+        """`verifier.noise.noise_from_keys` for one row key and a tile of vocabulary
+        indices, operation for operation: wrapping int64, arithmetic shifts then masks,
+        float64."""
         z = key + idx.to(tl.int64) * _GOLDEN_I64
         z ^= (z >> 30) & _MASK34
         z *= _C1_I64
@@ -212,7 +215,7 @@ if triton is not None:
             scaled = tl.math.div_rn(x, t)
             score = scaled
             if stochastic:  # greedy rows skip the noise's int64 and float64 work
-                score = scaled + _gumbel(key, idx)
+                score = scaled + tile_noise(key, idx)
             # Best: strictly greater across tiles, first index within one: argmax's tie-break.
             tile_best = tl.max(score, axis=0)
             tile_idx = tl.min(tl.where(live & (score == tile_best), idx, 2147483647), axis=0)

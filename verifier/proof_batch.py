@@ -119,7 +119,7 @@ def _chunk_topk(
     return idx, bits
 
 
-def _injective_moduli(x: torch.Tensor) -> torch.Tensor:
+def injective_moduli(x: torch.Tensor) -> torch.Tensor:
     """Per row of distinct x: the largest m <= MOD_N (counting down) with x % m injective,
     0 where there is none. Rows whose x all lie below MOD_N take MOD_N outright."""
     mod = torch.full((x.shape[0],), MOD_N, dtype=torch.int64, device=x.device)
@@ -138,7 +138,7 @@ def _injective_moduli(x: torch.Tensor) -> torch.Tensor:
     return mod
 
 
-def _interpolate(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+def interpolate(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     """Coefficients (ascending, int64 in [0, MOD_N)) of the polynomial of degree < n through
     the n points (x[c, i], y[c, i]) of each row c, x distinct and in [0, MOD_N) (int64)."""
     inv = _inverses(x.device)
@@ -190,13 +190,13 @@ def build_proofs_batched(
     out: np.ndarray = np.zeros((0, 1 + k), dtype=">u2")
     if keep.size:
         idx, bits = _chunk_topk(rows.to(torch.bfloat16), lay.start[keep], lay.nrows[keep], k)
-        mod = _injective_moduli(idx)
+        mod = injective_moduli(idx)
         # No injective modulus: toploc raises and nulls the whole completion (not seen in
         # practice: k distinct indices always have one far above k).
         nomod = (mod == 0).cpu().numpy()
         if nomod.any():
             failed[np.unique(lay.owner[keep][nomod])] = True
-        coef = _interpolate(idx % mod.clamp(min=1)[:, None], bits)
+        coef = interpolate(idx % mod.clamp(min=1)[:, None], bits)
         out = torch.cat([mod[:, None], coef], dim=1).cpu().numpy().astype(">u2")
     size = 2 + 2 * k
     raw = out.tobytes()

@@ -6,9 +6,12 @@ from a counter-based hash of (request seed, completion position, vocabulary inde
 and because the noise depends only on the seed and the position, a verifier that has its
 own logits recomputes the choice of every token (section 10 of DESIGN.md).
 
+Owns the sampler (`sample`, `BatchSampler`), the support masks and the replay. The noise
+itself is `verifier.noise`'s; the fused replay pass is `verifier.fused_sampling`'s.
+
 Invariants:
-- The noise is bit-identical on every device and engine: it is integer arithmetic
-  (SplitMix64, wrapping int64) followed by float64 transforms.
+- The noise is bit-identical on every device and engine (`verifier.noise`), and the fused
+  pass chooses exactly what these torch ops choose.
 - Logprobs are reported under ``log_softmax(logits / T)`` (``T = 1`` for greedy), without
   the top-k/top-p truncation: that is the behaviour policy the trainer divides by.
 - Temperature 0 is greedy: no noise, argmax of the filtered logits.
@@ -32,87 +35,8 @@ from dataclasses import dataclass
 
 import torch
 
-_MASK64 = (1 << 64) - 1
-_GOLDEN = 0x9E3779B97F4A7C15
-_C1 = 0xBF58476D1CE4E5B9
-_C2 = 0x94D049BB133111EB
-
-
-def _signed(x: int) -> int:
-    x &= _MASK64
-    return x - (1 << 64) if x >= 1 << 63 else x
-
-
-def _splitmix_int(x: int) -> int:
-    z = (x + _GOLDEN) & _MASK64
-    z = ((z ^ (z >> 30)) * _C1) & _MASK64
-    z = ((z ^ (z >> 27)) * _C2) & _MASK64
-    return z ^ (z >> 31)
-
-
-def _mix_(z: torch.Tensor) -> torch.Tensor:
-    """SplitMix64 finalizer in place on wrapping int64 (masked shifts = logical shifts)."""
-    z ^= (z >> 30) & ((1 << 34) - 1)
-    z *= _signed(_C1)
-    z ^= (z >> 27) & ((1 << 37) - 1)
-    z *= _signed(_C2)
-    z ^= (z >> 31) & ((1 << 33) - 1)
-    return z
-
-
-def row_key(seed: int, position: int) -> int:
-    """64-bit key of one (seed, completion position) pair, as a signed int64."""
-    return _signed(_splitmix_int(_splitmix_int(seed) ^ (position & _MASK64)))
-
-
-# Noise elements made per pass on a CPU. The noise is ~20 elementwise passes over int64 and
-# float64 temporaries; on a CPU they run from cache when one block's temporaries fit in it
-# (SmolLM2's 49,152-token vocabulary on the 2-core box: 3.3 ms a row in blocks of 512 rows,
-# 1.0 ms in blocks of 4). A GPU wants few, large kernels, so it takes every row at once.
-CPU_NOISE_BLOCK_ELEMS = 2**18
-
-
-def _noise_block(keys: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
-    return _gumbel(keys[:, None] + idx[None, :])
-
-
-def noise_at(keys: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
-    """The noise of one vocabulary entry per row (`tokens` [R]) for row keys [R]: the same
-    values as the full rows' noise at those entries, without making the rows."""
-    return _gumbel(keys + tokens * _signed(_GOLDEN))
-
-
-def _gumbel(z: torch.Tensor) -> torch.Tensor:
-    """Gumbel noise of the counters `z` (int64, consumed)."""
-    z = _mix_(z)
-    # Top 53 bits -> u in (0, 1) exactly representable in float64; in-place ops halve memory traffic.
-    u = ((z >> 11) & ((1 << 53) - 1)).to(torch.float64)
-    u.add_(0.5).mul_(2.0**-53)
-    return u.log_().neg_().log_().neg_().to(torch.float32)
-
-
-def _noise_from_keys(keys: torch.Tensor, vocab: int) -> torch.Tensor:
-    """Noise [len(keys), vocab]; the same values whatever the blocking (elementwise math)."""
-    idx = torch.arange(vocab, dtype=torch.int64, device=keys.device) * _signed(_GOLDEN)
-    rows = max(1, CPU_NOISE_BLOCK_ELEMS // vocab)
-    if keys.device.type != "cpu" or keys.shape[0] <= rows:
-        return _noise_block(keys, idx)
-    out = torch.empty((keys.shape[0], vocab), dtype=torch.float32)
-    for i in range(0, keys.shape[0], rows):
-        out[i : i + rows] = _noise_block(keys[i : i + rows], idx)
-    return out
-
-
-def gumbel_noise(
-    seeds: list[int], positions: list[int], vocab: int, device: torch.device | str = "cpu"
-) -> torch.Tensor:
-    """Gumbel(0, 1) noise of shape [len(seeds), vocab], float32, identical on every device."""
-    keys = torch.tensor(
-        [row_key(s, p) for s, p in zip(seeds, positions, strict=True)],
-        dtype=torch.int64,
-        device=device,
-    )
-    return _noise_from_keys(keys, vocab)
+from verifier.fused_sampling import row_best_and_lse, triton_available
+from verifier.noise import gumbel_noise, noise_at, noise_from_keys, row_key, row_keys, seed_key
 
 
 @dataclass(frozen=True)
@@ -128,9 +52,11 @@ class RowParams:
         return self.temperature if self.temperature > 0 else 1.0
 
 
-def _param_tensors(
+def param_tensors(
     params: list[RowParams], vocab: int, device: torch.device
 ) -> tuple[torch.Tensor, ...]:
+    """Per-row (temperature scale, top-k, top-p) as tensors on `device`: the inputs of
+    the support mask, shared by the sampler and the replay so both read them alike."""
     t = torch.tensor([p.scale for p in params], dtype=torch.float32, device=device)
     k = torch.tensor([p.top_k if 0 < p.top_k < vocab else vocab for p in params], device=device)
     top_p = torch.tensor([p.top_p for p in params], dtype=torch.float32, device=device)
@@ -226,13 +152,13 @@ class BatchSampler:
 
     def __init__(self, params: list[RowParams], seeds: list[int], vocab: int, device: torch.device):
         self.vocab = vocab
-        self.t, self.k, self.p = _param_tensors(params, vocab, device)
+        self.t, self.k, self.p = param_tensors(params, vocab, device)
         self.filtering = any(0 < x.top_k < vocab or x.top_p < 1.0 for x in params)
         self.stochastic = torch.tensor([x.temperature > 0 for x in params], device=device)
         self.any_stochastic = any(x.temperature > 0 for x in params)
         # row_key(seed, pos) = splitmix(splitmix(seed) ^ pos): the inner half is per row.
         self.seed_keys = torch.tensor(
-            [_signed(_splitmix_int(s)) for s in seeds], dtype=torch.int64, device=device
+            [seed_key(s) for s in seeds], dtype=torch.int64, device=device
         )
 
     def __call__(self, logits: torch.Tensor, position: int) -> SampleOutput:
@@ -240,8 +166,7 @@ class BatchSampler:
         mask = support_mask(scaled, self.k, self.p) if self.filtering else None
         noise = None
         if self.any_stochastic:
-            keys = _mix_((self.seed_keys ^ position) + _signed(_GOLDEN))
-            noise = _noise_from_keys(keys, self.vocab)
+            noise = noise_from_keys(row_keys(self.seed_keys, position), self.vocab)
         return _choose(scaled, mask, noise, self.stochastic)
 
 
@@ -251,7 +176,7 @@ def sample(
     """Choose one token per row of `logits` [B, V] (any dtype; computed in float32)."""
     logits = logits.float()
     vocab = logits.shape[-1]
-    t, k, p = _param_tensors(params, vocab, logits.device)
+    t, k, p = param_tensors(params, vocab, logits.device)
     scaled = logits / t[:, None]
     stochastic = torch.tensor([x.temperature > 0 for x in params], device=logits.device)
     noise = gumbel_noise(seeds, positions, vocab, logits.device) if bool(stochastic.any()) else None
@@ -337,22 +262,20 @@ def row_spec(
     """Rows of several completions: completion c has `sizes[c]` rows (positions 0..n-1),
     sampled with `params[c]` and `seeds[c]`. Per-completion work in Python, per-row on
     the device."""
-    t, k, p = _param_tensors(params, vocab, device)
+    t, k, p = param_tensors(params, vocab, device)
     n = torch.tensor(sizes, device=device)
     owner = torch.arange(len(sizes), device=device).repeat_interleave(n)  # completion of each row
     rows = lambda x: x[owner]  # noqa: E731 - per completion -> per row
     starts = torch.cumsum(n, 0) - n
     positions = torch.arange(owner.shape[0], device=device) - rows(starts)
-    seed_keys = torch.tensor(
-        [_signed(_splitmix_int(s)) for s in seeds], dtype=torch.int64, device=device
-    )
+    seed_keys = torch.tensor([seed_key(s) for s in seeds], dtype=torch.int64, device=device)
     return RowSpec(
         tokens=torch.tensor(tokens, dtype=torch.int64, device=device),
         t=rows(t),
         top_k=rows(k),
         top_p=rows(p),
         stochastic=rows(torch.tensor([x.temperature > 0 for x in params], device=device)),
-        keys=_mix_((rows(seed_keys) ^ positions) + _signed(_GOLDEN)),
+        keys=row_keys(rows(seed_keys), positions),
         filtering=rows((k < vocab) | (p < 1.0)),
     )
 
@@ -388,8 +311,6 @@ def replay_spec(logits, spec: RowSpec, p_slack: float) -> ReplayResult:
     """Replay every row of `logits` ([N, V] tensor or `RowLogits`) against `spec`: on CUDA
     with Triton, blocks whose rows do not filter go through the fused kernel (one pass over
     the logits, no [rows, V] temporary); the rest through torch ops."""
-    from verifier.fused_sampling import triton_available
-
     n, vocab = logits.shape
     fused = triton_available(torch.device(logits.device))
     block = max(1, (FUSED_BLOCK_ELEMS if fused else REPLAY_BLOCK_ELEMS) // vocab)
@@ -411,8 +332,6 @@ def replay_spec(logits, spec: RowSpec, p_slack: float) -> ReplayResult:
 
 def _replay_fused(logits: torch.Tensor, spec: RowSpec) -> ReplayResult:
     """Rows without filtering: the best perturbed score over the whole vocabulary."""
-    from verifier.fused_sampling import row_best_and_lse
-
     best, _, lse = row_best_and_lse(logits, spec.t, spec.keys, spec.stochastic)
     picked = logits.gather(-1, spec.tokens[:, None])[:, 0].float() / spec.t
     claimed = picked + noise_at(spec.keys, spec.tokens) * spec.stochastic
@@ -436,7 +355,7 @@ def _replay_block(logits: torch.Tensor, spec: RowSpec, p_slack: float) -> Replay
     core = lenient if lenient is None or p_slack <= 0 else core_mask(scaled, k, p, p_slack)
     scores = scaled
     if bool(spec.stochastic.any()):
-        noise = _noise_from_keys(spec.keys, vocab)
+        noise = noise_from_keys(spec.keys, vocab)
         if not bool(spec.stochastic.all()):
             noise *= spec.stochastic[:, None]
         scores = scaled + noise

@@ -12,9 +12,10 @@ end at different lengths.
 
 Invariants:
 - Tokens are chosen by `verifier.sampling`'s rule on the step's logits: the same keys
-  (`row_key(seed, completion position)`), the same noise, first index on ties. The fused
-  kernel (`verifier.fused_sampling`, CUDA) and the torch ops (CPU, and rows that filter)
-  are bit-identical in what they choose, so the replay of any verifier holds.
+  (`verifier.noise.row_key(seed, completion position)`, made on the device by
+  `row_keys`), the same noise, first index on ties. The fused kernel
+  (`verifier.fused_sampling`, CUDA) and the torch ops (CPU, and rows that filter) are
+  bit-identical in what they choose, so the replay of any verifier holds.
 - Row k of a result's hidden states is the post-final-norm state that produced completion
   token k (the prompt's last row for k = 0), as in `node.engines.base`.
 - Nothing in a step reads a value back to the host; a readback is the only sync.
@@ -36,7 +37,8 @@ from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
 from node.engines.base import GenerationRequest, GenerationResult
 from verifier.fused_sampling import row_best_and_lse, triton_available
-from verifier.sampling import _GOLDEN, _mix_, _noise_from_keys, _signed, _splitmix_int, strict_mask
+from verifier.noise import noise_from_keys, row_keys, seed_key
+from verifier.sampling import strict_mask
 
 SUPPORTED = ("LlamaForCausalLM", "Qwen2ForCausalLM", "MistralForCausalLM")
 LEN_BUCKET = 128  # decode attends to the cache up to the next multiple of this
@@ -127,7 +129,7 @@ class SlotDecoder:
         self, logits: torch.Tensor, rows: slice | torch.Tensor, positions: torch.Tensor, filt: bool
     ) -> tuple[torch.Tensor, torch.Tensor]:
         t, stoch = self.t[rows], self.stochastic[rows]
-        keys = _mix_((self.seed_keys[rows] ^ positions) + _signed(_GOLDEN))
+        keys = row_keys(self.seed_keys[rows], positions)
         if self.fused and not filt:
             _, tokens, lse = row_best_and_lse(logits, t, keys, stoch)
             picked = logits.gather(-1, tokens[:, None])[:, 0].float() / t
@@ -137,7 +139,7 @@ class SlotDecoder:
         if filt:  # the strict support, without support_mask's host-side shortcut
             mask = strict_mask(scaled, self.top_k[rows], self.top_p[rows])
             scores = scores.masked_fill(~mask, float("-inf"))
-        scores = scores + _noise_from_keys(keys, self.vocab) * stoch[:, None]
+        scores = scores + noise_from_keys(keys, self.vocab) * stoch[:, None]
         tokens = scores.argmax(dim=-1)
         picked = scaled.gather(-1, tokens[:, None])[:, 0]
         return tokens, picked - torch.logsumexp(scaled, dim=-1)
@@ -319,7 +321,7 @@ class SlotDecoder:
         rows = torch.tensor(slots, dtype=torch.int64, device=self.device)
         sps = [r.sampling for _, r in reqs]
         self.seed_keys[rows] = torch.tensor(
-            [_signed(_splitmix_int(r.seed)) for _, r in reqs], dtype=torch.int64
+            [seed_key(r.seed) for _, r in reqs], dtype=torch.int64
         ).to(self.device)
         self.t[rows] = torch.tensor(
             [sp.temperature if sp.temperature > 0 else 1.0 for sp in sps], dtype=torch.float32

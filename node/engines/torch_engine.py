@@ -29,47 +29,10 @@ from node.engines.base import (
     PrefillResult,
     hash_weights_dir,
 )
+from node.engines.common import StopWatcher, eos_ids, pick_device, pick_dtype
 from node.engines.slot_decode import SlotDecoder, supports
 from verifier.models import load_tokenizer, resolve_model
 from verifier.sampling import BatchSampler, RowLogits, RowParams
-
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
-def pick_device(device: str) -> torch.device:
-    if device == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(device)
-
-
-def pick_dtype(dtype: str, device: torch.device) -> torch.dtype:
-    if dtype == "auto":
-        return torch.bfloat16 if device.type == "cuda" else torch.float32
-    return _DTYPES[dtype]
-
-
-def eos_ids(tokenizer, model_config) -> frozenset[int]:
-    ids = set()
-    for src in (getattr(model_config, "eos_token_id", None), tokenizer.eos_token_id):
-        if isinstance(src, int):
-            ids.add(src)
-        elif isinstance(src, list):
-            ids.update(src)
-    return frozenset(ids)
-
-
-class _StopWatcher:
-    """Detects stop strings in a growing completion (decodes only rows that have any)."""
-
-    def __init__(self, tokenizer, stops: tuple[str, ...]):
-        self.tokenizer = tokenizer
-        self.stops = stops
-
-    def hit(self, completion: list[int]) -> bool:
-        if not self.stops:
-            return False
-        text = self.tokenizer.decode(completion, skip_special_tokens=False)
-        return any(s in text for s in self.stops)
 
 
 class TorchEngine(InferenceEngine):
@@ -160,7 +123,7 @@ class TorchEngine(InferenceEngine):
             )
 
     def _stop_hit(self, request: GenerationRequest):
-        return _StopWatcher(self.tokenizer, request.sampling.stop).hit
+        return StopWatcher(self.tokenizer, request.sampling.stop).hit
 
     def _slot_decoder(self, requests: list[GenerationRequest]) -> SlotDecoder | None:
         """The continuous-batching decoder, when the config asks for it and it can serve
@@ -216,7 +179,7 @@ class TorchEngine(InferenceEngine):
             RowParams(r.sampling.temperature, r.sampling.top_k, r.sampling.top_p) for r in requests
         ]
         sampler = BatchSampler(params, [r.seed for r in requests], self.vocab_size, dev)
-        watchers = [_StopWatcher(self.tokenizer, r.sampling.stop) for r in requests]
+        watchers = [StopWatcher(self.tokenizer, r.sampling.stop) for r in requests]
         tokens_out: list[list[int]] = [[] for _ in requests]
         logprobs_out: list[list[float]] = [[] for _ in requests]
         step_hidden: list[torch.Tensor] = []  # [B, H] per step, kept on the device

@@ -45,7 +45,7 @@ from node.engines.base import (
     PrefillResult,
     hash_weights_dir,
 )
-from node.engines.torch_engine import _StopWatcher, eos_ids, pick_dtype
+from node.engines.common import StopWatcher, eos_ids, pick_dtype
 from node.engines.vllm_worker_ext import EXTRA_KEY
 from protocol.messages import FinishReason, SamplingParams
 from verifier.models import load_tokenizer, resolve_model
@@ -175,7 +175,7 @@ class VLLMEngine(InferenceEngine):
 
     def _end(self, ids: list[int], s: SamplingParams) -> tuple[int, FinishReason | None]:
         """Where the torch engine's termination rule ends `ids`, and why (None: it doesn't)."""
-        watcher = _StopWatcher(self.tokenizer, s.stop)
+        watcher = StopWatcher(self.tokenizer, s.stop)
         check_stops = watcher.hit(ids)  # a stop string inside any prefix is inside the whole
         for i, t in enumerate(ids):
             if (t in self.eos_token_ids and not s.ignore_eos) or (

@@ -7,6 +7,10 @@ Invariants: a piece is written only after its SHA-256 matched the manifest (`put
 checks it), so the store never holds, and so never serves, a corrupted piece; a folder is
 renamed to its final name only when complete, with the signed manifest beside the files;
 a `.partial` folder left by a killed process is re-checked piece by piece and resumed.
+Reads and writes (threads of the torrent's sessions) open their files under the same lock
+as the rename in `finish`, so a piece asked for while its download is finished is read
+from wherever the files are, never from the moved `.partial` path (an open file stays
+valid across the rename).
 """
 
 from __future__ import annotations
@@ -14,6 +18,8 @@ from __future__ import annotations
 import hashlib
 import os
 import shutil
+import threading
+from contextlib import ExitStack
 from pathlib import Path
 
 from protocol.messages import Manifest
@@ -32,6 +38,8 @@ class PieceStore:
         for f in manifest.files:
             self._files.append((folder / f.name, pos, pos + f.size))
             pos += f.size
+        # Held while file paths are resolved and opened, and while `finish` moves them.
+        self._paths_lock = threading.Lock()
 
     # -- opening ---------------------------------------------------------------------
     @classmethod
@@ -76,10 +84,19 @@ class PieceStore:
     def _hash(data: bytes) -> str:
         return hashlib.sha256(data).hexdigest()
 
+    def _open(self, index: int, mode: str, stack: ExitStack) -> list[tuple]:
+        """The piece's segments as (open file, offset, length); opened under the lock, so
+        `finish` cannot move the folder between resolving a path and opening it."""
+        with self._paths_lock:
+            return [
+                (stack.enter_context(path.open(mode)), off, n)
+                for path, off, n in self._segments(index)
+            ]
+
     def read(self, index: int) -> bytes:
         parts = []
-        for path, off, n in self._segments(index):
-            with path.open("rb") as f:
+        with ExitStack() as stack:
+            for f, off, n in self._open(index, "rb", stack):
                 f.seek(off)
                 parts.append(f.read(n))
         return b"".join(parts)
@@ -94,11 +111,11 @@ class PieceStore:
         if not self.check(index, data):
             return False
         pos = 0
-        for path, off, n in self._segments(index):
-            with path.open("r+b") as f:
+        with ExitStack() as stack:
+            for f, off, n in self._open(index, "r+b", stack):
                 f.seek(off)
                 f.write(data[pos : pos + n])
-            pos += n
+                pos += n
         self.have[index] = True
         return True
 
@@ -123,7 +140,8 @@ class PieceStore:
         dest = self.folder.with_name(self.folder.name.removesuffix(".partial"))
         if dest.exists():
             shutil.rmtree(dest)
-        self.folder.rename(dest)
-        self.folder = dest
-        self._files = [(dest / p.name, s, e) for p, s, e in self._files]
+        with self._paths_lock:  # no read or write opens a path while they change
+            self.folder.rename(dest)
+            self.folder = dest
+            self._files = [(dest / p.name, s, e) for p, s, e in self._files]
         return dest

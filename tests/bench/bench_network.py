@@ -133,7 +133,7 @@ def measure(
 ) -> Measured:  # fmt: skip
     """One rl run at `level` on a fresh pool; reads /health, dashboard state and verdicts
     before the pool closes."""
-    with serving_pool(workdir, model, workers, dishonest) as pool:
+    with serving_pool(workdir, model, workers, dishonest, async_level=level) as pool:
         run = workdir / "run"
         before = cpu_times()
         with StatePoller(pool) as poller:

@@ -78,7 +78,7 @@ def main() -> None:
         with console.status(f"RL at async_level {level}"):
             run, took = rl_through_pool(
                 work / f"async{level}", model, "--max-steps", str(args.steps),
-                "--async-level", str(level),
+                "--async-level", str(level), async_level=level,
             )  # fmt: skip
         runs[level] = run
         results[level] = {**summarize(run), "rl_s": took}

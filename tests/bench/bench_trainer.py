@@ -202,9 +202,9 @@ def cleanup(device: torch.device) -> None:
         torch.cuda.synchronize(device)
         torch.cuda.empty_cache()
     torch._dynamo.reset()
-    from trainer.loss import _COMPILED
+    from trainer.loss import COMPILED
 
-    _COMPILED.clear()
+    COMPILED.clear()
 
 
 def build_model(folder: Path, shape: dict, device: torch.device, seed: int) -> dict:

@@ -618,5 +618,8 @@ def test_every_kind_is_a_worker_for_the_real_join():
         "corrupt-pieces",
         "silent",
         "slow",
+        "sybil",
+        "turncoat",
+        "accomplice",
     }
     assert all(issubclass(cls, Worker) for cls in DISHONEST_WORKERS.values())

@@ -1518,6 +1518,34 @@ def test_partial_body_is_cut_off(processes: Processes, which: str) -> None:
     assert target.child.alive()
 
 
+HANG_UPS = 20
+
+
+@pytest.mark.parametrize("which", ["node", "scheduler"])
+def test_a_client_hanging_up_mid_body_costs_one_short_log_line(
+    processes: Processes, which: str
+) -> None:
+    """Clients that announce 1000 body bytes, send 10 and hang up: each is one short line
+    in the log (no ERROR, no traceback), so hanging up cannot flood the log for free."""
+    target = processes.targets()[which]
+    path, ct = (
+        ("/tokenize", "application/json") if which == "node" else ("/v1/nodes/register", MSGPACK)
+    )
+    log_path = target.child.log_path
+    before = log_path.stat().st_size
+    for _ in range(HANG_UPS):
+        with socket.create_connection(("127.0.0.1", target.port), timeout=10) as s:
+            s.sendall(_partial_body_request(path, ct))
+    deadline = time.monotonic() + 20
+    while log_path.read_text(errors="replace").count("hung up mid-request") < HANG_UPS:
+        assert time.monotonic() < deadline, log_path.read_text(errors="replace")[before:][-3000:]
+        time.sleep(0.2)
+    assert log_errors([log_path], {log_path: before}) == []
+    grown = log_path.stat().st_size - before
+    assert grown < HANG_UPS * 400, grown  # a line each (and the access log, if any)
+    assert target.child.alive()
+
+
 PARSER_REFUSED: dict[str, bytes] = {
     "control char in a header": b"POST /tokenize HTTP/1.1\r\nHost: x\r\nContent-Type: \x7f/\x01\r\n"
     b"Content-Length: 2\r\n\r\n{}",

@@ -152,3 +152,46 @@ def test_a_scheduler_killed_and_restarted_gets_every_node_back(tmp_path):
             assert log.count("channel open to") >= 2, f"{name} did not reopen its channel"
     finally:
         pool.close()
+
+
+def test_connections_that_never_say_hello_are_capped_and_closed_at_their_deadline(tmp_path):
+    """Connections to the node-channel route that only ping and never sign a hello: at most
+    `max_unauthenticated_per_address` are let in at once (one more is answered 503 with
+    Retry-After, before any upgrade), and each is closed at its hello deadline, which its
+    pings do not push back; then the route takes new connections again."""
+    import aiohttp
+
+    from protocol.channel import CONNECT_ROUTE
+
+    pool = make_pool(tmp_path)
+    try:
+        pool.start_scheduler(
+            "--channel.hello-timeout-s", "1", "--channel.max-unauthenticated-per-address", "3"
+        )
+        url = pool.url.replace("http://", "ws://") + CONNECT_ROUTE
+
+        async def held_open(ws: aiohttp.ClientWebSocketResponse) -> float:
+            t0 = time.monotonic()
+            async for _ in ws:  # the challenge, then nothing: the client only pings
+                pass
+            return time.monotonic() - t0
+
+        async def run() -> tuple[list[float], int, str, bool]:
+            async with aiohttp.ClientSession() as session:
+                # heartbeat: the client pings every 0.2 s, which restarted a per-frame timeout
+                socks = [await session.ws_connect(url, heartbeat=0.2) for _ in range(3)]
+                with pytest.raises(aiohttp.WSServerHandshakeError) as refused:
+                    await session.ws_connect(url)
+                async with asyncio.timeout(10):
+                    open_for = await asyncio.gather(*map(held_open, socks))
+                again = await session.ws_connect(url)
+                await again.close()
+                retry = (refused.value.headers or {}).get("Retry-After", "")
+                return list(open_for), refused.value.status, retry, again.closed
+
+        open_for, status, retry, reopened = asyncio.run(run())
+        assert status == 503 and retry, (status, retry)
+        assert max(open_for) < 3.0, open_for  # the 1 s deadline, not extended by pings
+        assert reopened
+    finally:
+        pool.close()

@@ -360,3 +360,23 @@ def test_a_node_of_an_engine_mix_the_thresholds_do_not_cover_is_refused(tmp_path
         assert ok.status_code == 200
     finally:
         pool.close()
+
+
+def test_new_node_keys_from_one_address_are_capped_per_minute(tmp_path):
+    """Identities are free: one address registers at most
+    `rate_limits.new_nodes_per_address_per_min` keys the scheduler does not know (429 with
+    a clear message after that); a known key registering again (a restarted node) still
+    gets in."""
+    pool = make_pool(tmp_path)
+    pool.start_scheduler("--rate-limits.new-nodes-per-address-per-min", "3")
+    try:
+        url = f"{pool.url}/v1/nodes/register"
+        keys = [Identity.generate() for _ in range(4)]
+        codes = [post(url, registration(k)).status_code for k in keys]
+        assert codes == [200, 200, 200, 429], codes
+        refused = post(url, registration(Identity.generate()))
+        assert refused.status_code == 429 and "new node keys" in error_of(refused)
+        assert post(url, registration(keys[0])).status_code == 200  # known: a restart
+        assert pool.health()["nodes"] == {"registered": 3}
+    finally:
+        pool.close()

@@ -205,6 +205,30 @@ def test_weight_update_only_under_trusted_signature(node, tiny_path, client):
     assert resp.choices[0].finish_reason in ("stop", "length")
 
 
+def test_weight_update_refuses_a_version_not_newer_than_the_nodes(node, tiny_path):
+    """Only newer weights are swapped in, on every route: a trainer-signed update of the
+    version the node holds (other files) or of an older one is refused with a 409 and
+    changes nothing, even as a fresh envelope (not a replay)."""
+    n, trainer, work = node
+    held = n.health()["weights_version"]
+    newer = WeightUpdate(version=held + 2, path=str(tiny_path))
+    r = httpx.post(f"{n.url}/v1/weights/update", content=seal(trainer, newer), headers=MSGPACK)
+    assert r.status_code == 200, r.text
+    before = n.health()
+    assert before["weights_version"] == held + 2
+    other = _save_perturbed_weights(tiny_path, work / "weights-not-newer")
+    for version in (held + 2, held + 1):
+        update = WeightUpdate(version=version, path=str(other))
+        r = httpx.post(f"{n.url}/v1/weights/update", content=seal(trainer, update), headers=MSGPACK)
+        assert r.status_code == 409, (version, r.text)
+        assert f"holds weights version {held + 2}" in r.json()["error"]["message"]
+        after = n.health()
+        assert (after["weights_version"], after["weights_hash"]) == (
+            before["weights_version"],
+            before["weights_hash"],
+        )
+
+
 def _expired(identity, message):
     return seal(identity, message, ttl_s=-1)
 

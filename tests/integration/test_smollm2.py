@@ -121,11 +121,14 @@ def test_smollm2_cheats_are_rejected(smol_pair, smol_engine, report):
 
 
 def test_smollm2_smallest_weight_noise_still_caught(smol_pair, smol_engine, report):
-    """Relative Gaussian noise on every weight tensor, swept down until it slips through."""
+    """Relative Gaussian noise on every weight tensor down to 1e-3 x std is rejected on every
+    rollout. Where smaller noise slips through one rollout at a time (and how many rollouts
+    the per-node evidence needs for it) is measured by tests/bench/bench_trust.py: a sweep
+    further down here asserted nothing and cost the suite two minutes."""
     _, b = smol_pair
     scheduler = Identity.generate()
     rates = {}
-    for j, scale in enumerate([1e-2, 1e-3, 3e-4, 1e-4, 3e-5]):
+    for j, scale in enumerate([1e-2, 1e-3]):
         reqs = _requests(smol_engine.tokenizer, 6, seed=40 + j)
         cheat = adv.PerturbedWeights(smol_engine, scale=scale)
         envelopes = [seal(cheat.identity, r) for r in cheat.rollouts(reqs)]
@@ -134,4 +137,4 @@ def test_smollm2_smallest_weight_noise_still_caught(smol_pair, smol_engine, repo
     always = [s for s, r in rates.items() if r == 1.0]
     report("smollm2 perturbed-weights rejection rate by noise scale", rates)
     report("smollm2 smallest noise scale always caught", min(always) if always else None)
-    assert rates[1e-2] == 1.0 and rates[1e-3] == 1.0
+    assert rates == {1e-2: 1.0, 1e-3: 1.0}, rates

@@ -20,6 +20,8 @@ import time
 
 import pytest
 
+from protocol.identity import Identity
+from protocol.messages import CheckerPolicy
 from tests.pools import tiny_verification
 from tests.swarm.harness import FaultRun, pool_state
 
@@ -278,3 +280,39 @@ def test_rl_with_delta_weights_trains_as_before(fault_run, report):
     assert set(range(1, 10)) <= set(ratios) and 10 not in ratios, published
     assert max(ratios.values()) < 0.5, ratios
     assert all(n >= 3 for n in rebuilt.values()), rebuilt
+
+
+def test_a_run_on_an_open_pool_keeps_training_among_free_identities(
+    tmp_path, fault_run, report, monkeypatch
+):
+    """An open pool whose right to check is earned (issue 26): three honest founders and
+    nine free identities of every strategy (two that never answer and reject everything,
+    a cheating generator with two accomplices that side with it and two that accept
+    everything, two that turn once they may check). Training goes on to its last step,
+    the cheat is banned and nothing of it is trained, no honest worker is banned or loses
+    reputation."""
+    honest = ["h0", "h1", "h2"]
+    workdir = tmp_path / "run0"  # the fixture's first run: its keys are made here first
+    workdir.mkdir(parents=True)
+    founders = [Identity.load_or_create(workdir / f"{n}.key").node_id for n in honest]
+    run = fault_run(6, checkers=CheckerPolicy(earn_after=4, founders=founders))
+    assert run.pool.workdir == workdir
+    monkeypatch.setenv("PRIME_ACCOMPLICES", run.pool.node_id("cheat"))
+    monkeypatch.setenv("PRIME_TURN_AFTER", "4")
+    kinds: dict[str, str | None] = dict.fromkeys(honest)
+    kinds |= {"cheat": "other-weights", "sybil0": "sybil", "sybil1": "sybil"}
+    kinds |= {f"{k}{i}": k for k in ("accomplice", "accept-all", "turncoat") for i in range(2)}
+    run.start_pool(
+        kinds, "--dispatch.generate-timeout-s", "10", "--dispatch.openai-timeout-s", "40"
+    )
+    t0 = time.monotonic()
+    run.start_training()
+    run.wait_finished()
+    minutes = (time.monotonic() - t0) / 60
+    counts = run.audit(cheat_generators={"cheat"}, exempt=set(kinds) - {*honest, "cheat"})
+    log = (run.pool.workdir / "scheduler.log").read_text(errors="replace")
+    assert not any(f"{h} loses reputation" in log for h in honest)
+    report(
+        "swarm: RL on an open pool among 9 free identities (3 honest founders, 6 steps)",
+        {"steps_per_min": round(6 / minutes, 2), **counts},
+    )

@@ -204,8 +204,10 @@ def test_killed_and_late_downloaders_finish_from_peers_after_the_trainer_left(
             assert digest_files(tmp_path / n / "v") == digest_files(src), n
             assert _status(tmp_path, n)["bad_pieces"] == 0
         c = _status(tmp_path, "c")
-        # The restarted c kept the pieces it had checked before the kill.
-        assert had > 0 and c["downloaded"] <= size - had * 64 * KiB + 64 * KiB
+        # The restarted c kept the pieces it had checked before the kill. Its byte count
+        # may hold endgame duplicates: up to `pipeline` pieces asked of each of its 2 peers.
+        endgame = 2 * SwarmConfig().pipeline * 64 * KiB
+        assert had > 0 and c["downloaded"] <= size - had * 64 * KiB + endgame
         assert (
             trainer.node_id not in c["per_peer"]
             and trainer.node_id not in _status(tmp_path, "d")["per_peer"]

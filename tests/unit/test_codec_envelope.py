@@ -17,9 +17,9 @@ from protocol.envelope import (
     ReplayCacheFullError,
     ReplayError,
     UntrustedSenderError,
-    _signed_part,
     open_envelope,
     seal,
+    signed_part,
 )
 from protocol.identity import Identity
 from protocol.messages import (
@@ -355,7 +355,7 @@ def test_envelope_with_nan_expiry_is_refused(alice):
     req = make_request()
     body, nonce, expires = encode(req), b"n" * 16, float("nan")
     sig = alice.sign(
-        _signed_part(PROTOCOL_VERSION, alice.public_key, nonce, expires, "RolloutRequest", body)
+        signed_part(PROTOCOL_VERSION, alice.public_key, nonce, expires, "RolloutRequest", body)
     )
     data = pack(
         {

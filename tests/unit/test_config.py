@@ -173,6 +173,24 @@ def test_flags_beat_toml_and_env(monkeypatch, tmp_path):
     assert cfg.engine.max_batch_size == 4
 
 
+def test_composed_config_takes_a_shared_field_from_env_once(monkeypatch, tmp_path):
+    """`rl`: a run-wide field set by env (or a TOML file) reaches both process configs it
+    contains; the same field set for one of them to another value is refused."""
+    from trainer.config import RLConfig
+
+    monkeypatch.setenv("PRIME_ASYNC_LEVEL", "4")
+    f = toml(tmp_path, "rl.toml", "max_steps = 9\n[trainer.optim]\nlr = 0.001\n")
+    cfg = load_config(RLConfig, ["@", f])
+    t, o = cfg.trainer_config(), cfg.orchestrator_config()
+    assert (t.async_level, o.async_level, t.max_steps, o.max_steps) == (4, 4, 9, 9)
+    assert t.optim.lr == 0.001
+    monkeypatch.setenv("PRIME_ORCHESTRATOR__ASYNC_LEVEL", "1")
+    with pytest.raises(
+        ConfigError, match="orchestrator.async_level is 1 but the run's async_level is 4"
+    ):
+        load_config(RLConfig, ["@", f])
+
+
 def test_unknown_key_is_a_config_error_naming_it(tmp_path):
     with pytest.raises(ConfigError, match=r"server\.prot"):
         load_config(NodeConfig, ["--server.prot", "1"])

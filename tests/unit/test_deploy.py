@@ -145,9 +145,9 @@ def check_invocation(path: tuple[str, ...], args: list[str], where: str) -> None
                 assert a.split("=")[0] in opts, f"{where}: {' '.join(path)} has no option {a}"
         return
     if path == ("prime-node", "join") or path == ("prime-node", "serve"):
-        from node.cli import _expand_aliases
+        from node.cli import expand_aliases
 
-        args = _expand_aliases(args)
+        args = expand_aliases(args)
     kept, skip = [], False
     for i, a in enumerate(args):  # keep @ files of this repository's configs/, drop others
         if skip:

@@ -12,14 +12,15 @@ from pathlib import Path
 import pytest
 import torch
 
-from verifier.fused_sampling import _row_best_and_lse_torch, row_best_and_lse
-from verifier.sampling import RowParams, gumbel_noise, row_key, sample
+from verifier.fused_sampling import row_best_and_lse, row_best_and_lse_torch
+from verifier.noise import gumbel_noise, row_key
+from verifier.sampling import RowParams, sample
 
 try:
     import triton
     import triton.language as tl
 
-    from verifier.fused_sampling import _gumbel
+    from verifier.fused_sampling import tile_noise
 except ImportError:
     triton = None
 
@@ -32,7 +33,7 @@ if triton is not None:
         """The kernel's noise written out [R, V], to compare every element."""
         row = tl.program_id(0).to(tl.int64)
         idx = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-        noise = _gumbel(tl.load(keys_ptr + row), idx)
+        noise = tile_noise(tl.load(keys_ptr + row), idx)
         tl.store(out_ptr + row * vocab + idx, noise, mask=idx < vocab)
 
 
@@ -96,7 +97,7 @@ def _assert_matches(got: tuple[torch.Tensor, ...], want: tuple[torch.Tensor, ...
 def test_torch_fallback_matches_sampling(dtype: torch.dtype):
     logits, params, seeds, positions = _case(60, 1500)
     logits = logits.to(dtype)
-    got = _row_best_and_lse_torch(logits, *_inputs(params, seeds, positions))
+    got = row_best_and_lse_torch(logits, *_inputs(params, seeds, positions))
     _assert_matches(got, _reference(logits, params, seeds, positions), 1e-6)
     # The chosen tokens are `sample`'s (no top-k/top-p here).
     assert torch.equal(got[1], sample(logits, params, seeds, positions).tokens)
@@ -107,14 +108,14 @@ def test_torch_fallback_matches_sampling(dtype: torch.dtype):
 def test_dispatch_on_cpu_is_the_fallback():
     logits, params, seeds, positions = _case(10, 300)
     inputs = _inputs(params, seeds, positions)
-    got, want = row_best_and_lse(logits, *inputs), _row_best_and_lse_torch(logits, *inputs)
+    got, want = row_best_and_lse(logits, *inputs), row_best_and_lse_torch(logits, *inputs)
     for a, b in zip(got, want, strict=True):
         assert torch.equal(a, b)
 
 
 def _check_kernel_under_interpreter() -> None:
     """Run in a subprocess with TRITON_INTERPRET=1 (read when the kernel is decorated)."""
-    from verifier.fused_sampling import _row_best_and_lse_triton
+    from verifier.fused_sampling import row_best_and_lse_triton
 
     logits, params, seeds, positions = _case(160, 3000, seed=1)
     inputs = _inputs(params, seeds, positions)
@@ -124,11 +125,11 @@ def _check_kernel_under_interpreter() -> None:
         want = _reference(x, params, seeds, positions)
         # 160 rows at 80 "SMs" -> 2 segments of 2 tiles: a tile and a segment boundary each,
         # and a partial last tile.
-        got = _row_best_and_lse_triton(x, *inputs, sm_count=80, block=1024)
+        got = row_best_and_lse_triton(x, *inputs, sm_count=80, block=1024)
         _assert_matches(got, want, 1e-5)
     # Many small segments (one tile each) on a few rows.
     x, few = logits[:12], [p[:12] for p in (params, seeds, positions)]
-    got = _row_best_and_lse_triton(x, *_inputs(*few), sm_count=1000, block=256)
+    got = row_best_and_lse_triton(x, *_inputs(*few), sm_count=1000, block=256)
     _assert_matches(got, _reference(x, *few), 1e-5)
 
 

@@ -19,8 +19,8 @@ from node.engines.torch_engine import TorchEngine
 from node.worker import make_rollout
 from protocol.messages import ProofParams, RolloutRequest, SamplingParams, VerificationPolicy
 from verifier.checks import check_rollout, replay_rollouts
+from verifier.noise import noise_from_keys
 from verifier.proofs import build_proof, build_proofs, check_proof, check_proofs
-from verifier.sampling import _noise_from_keys
 
 pytestmark = [
     pytest.mark.gpu,
@@ -29,7 +29,7 @@ pytestmark = [
 
 
 def test_fused_kernel_chooses_what_the_reference_chooses():
-    from verifier.fused_sampling import _row_best_and_lse_torch, row_best_and_lse, triton_available
+    from verifier.fused_sampling import row_best_and_lse, row_best_and_lse_torch, triton_available
 
     dev = torch.device("cuda")
     assert triton_available(dev)
@@ -43,12 +43,12 @@ def test_fused_kernel_chooses_what_the_reference_chooses():
         keys = torch.randint(-(2**62), 2**62, (rows,), device=dev, generator=g)
         stoch = torch.arange(rows, device=dev) % 5 != 0
         best, idx, lse = row_best_and_lse(logits, t, keys, stoch)
-        rbest, ridx, rlse = _row_best_and_lse_torch(logits, t, keys, stoch)
+        rbest, ridx, rlse = row_best_and_lse_torch(logits, t, keys, stoch)
         assert torch.equal(idx, ridx)
         assert torch.equal(best, rbest)
         assert torch.allclose(lse, rlse, atol=1e-5, rtol=1e-6)
         # and the reference is argmax(scaled + noise): the sampler's rule
-        noise = _noise_from_keys(keys, vocab) * stoch[:, None]
+        noise = noise_from_keys(keys, vocab) * stoch[:, None]
         assert torch.equal(idx, (logits.float() / t[:, None] + noise).argmax(-1))
 
 

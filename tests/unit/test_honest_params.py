@@ -38,7 +38,7 @@ from protocol.messages import (
 )
 from tests.conftest import random_chat_prompts
 from tests.nodes import REPO
-from verifier.sampling import RowParams, _param_tensors, replay_rows, sample, support_mask
+from verifier.sampling import RowParams, param_tensors, replay_rows, sample, support_mask
 
 POLICY = VerificationPolicy(
     **tomllib.loads((REPO / "configs/verification/tiny-torch-cpu-fp32.toml").read_text())[
@@ -300,7 +300,7 @@ def _check_sampler_and_replay(batch, noise_seed: int) -> None:
     n = len(params)
     positions = list(range(n))
     out = sample(logits, params, seeds, positions)
-    t, k, p = _param_tensors(params, logits.shape[-1], logits.device)
+    t, k, p = param_tensors(params, logits.shape[-1], logits.device)
     scaled = logits / t[:, None]
     strict = support_mask(scaled, k, p)
     for i in range(n):

@@ -2,19 +2,22 @@
 
 Covers what the node decides by itself: it refuses a pool config for another pool or from
 another owner (exit 2, before loading any model), a scheduler that never answers (exit 2),
-and a refused registration (exit 2, the scheduler's message shown); it reads and checks
+and a refused registration (exit 2, the scheduler's message shown); it runs its worker
+with every engine flag it was given, as `prime-node serve` does; it reads and checks
 invite tokens; `NodeServer(callers=...)` takes proof-route work only from the scheduler's
 key; relayed weights load only under the trainer's key and never roll back.
 
 The only scheduler surface here is `pool_route`, a stand-in for the scheduler's one
 GET /v1/pool route (an owner-signed `PoolConfig`); every other scheduler route is absent
-from it, so a POST to register gets aiohttp's plain 404.
+from it, so a POST to register gets aiohttp's plain 404 (with `restarting=True` it gets
+503, as from a scheduler that is restarting: the node keeps retrying, and serving).
 """
 
 from __future__ import annotations
 
 import asyncio
 import base64
+import contextlib
 import os
 import sys
 from pathlib import Path
@@ -73,16 +76,20 @@ def pool(trainer) -> PoolConfig:
     )
 
 
-@pytest.fixture
-async def pool_route(owner, pool):
-    """Stand-in for the scheduler's GET /v1/pool only; yields its base URL."""
+async def _scheduler_stand_in(owner: Identity, pool: PoolConfig, restarting: bool):
+    """Serve GET /v1/pool (and, if `restarting`, a 503 to every register); yield the URL."""
     signed = seal(owner, pool, ttl_s=60)
 
     async def get_pool(_request: web.Request) -> web.Response:
         return web.Response(body=signed, content_type="application/msgpack")
 
+    async def restarting_register(_request: web.Request) -> web.Response:
+        return web.Response(status=503, text="restarting")
+
     app = web.Application()
     app.router.add_get("/v1/pool", get_pool)
+    if restarting:
+        app.router.add_post("/v1/nodes/register", restarting_register)
     runner = web.AppRunner(app)
     await runner.setup()
     await web.TCPSite(runner, "127.0.0.1", 0).start()
@@ -90,10 +97,24 @@ async def pool_route(owner, pool):
     await runner.cleanup()
 
 
-async def join_cli(tmp_path: Path, *args: str, timeout_s: float = 120) -> tuple[int, str]:
-    """Run `python -m node.cli join` to its end; return its exit code and stderr."""
+@pytest.fixture
+async def pool_route(owner, pool):
+    """Stand-in for the scheduler's GET /v1/pool only; yields its base URL."""
+    async for url in _scheduler_stand_in(owner, pool, restarting=False):
+        yield url
+
+
+@pytest.fixture
+async def restarting_scheduler(owner, pool):
+    """`pool_route` whose register route answers 503 (a scheduler restarting)."""
+    async for url in _scheduler_stand_in(owner, pool, restarting=True):
+        yield url
+
+
+async def spawn_join(tmp_path: Path, *args: str) -> asyncio.subprocess.Process:
+    """Start `python -m node.cli join` (stdout and stderr piped)."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("PRIME_")}
-    proc = await asyncio.create_subprocess_exec(
+    return await asyncio.create_subprocess_exec(
         sys.executable,
         "-m",
         "node.cli",
@@ -108,6 +129,11 @@ async def join_cli(tmp_path: Path, *args: str, timeout_s: float = 120) -> tuple[
         stdout=asyncio.subprocess.PIPE,
         stderr=asyncio.subprocess.PIPE,
     )
+
+
+async def join_cli(tmp_path: Path, *args: str, timeout_s: float = 120) -> tuple[int, str]:
+    """Run `python -m node.cli join` to its end; return its exit code and stderr."""
+    proc = await spawn_join(tmp_path, *args)
     try:
         _, err = await asyncio.wait_for(proc.communicate(), timeout_s)
     except TimeoutError:
@@ -153,6 +179,41 @@ async def test_join_shows_the_schedulers_refusal_to_register(tmp_path, pool_rout
     )
     assert code == 2, err
     assert "the scheduler refused to admit this node (HTTP 404): 404: Not Found" in err
+
+
+async def test_join_runs_its_worker_with_every_engine_flag(tmp_path, restarting_scheduler, owner):
+    """`join` assembles its node as `serve` does (`node.assembly`): every engine flag
+    reaches the worker, as the node's own /health reports while it serves and retries a
+    scheduler that answers 503. (`--engine.proof-processes` used to be dropped.)"""
+    port = free_port()
+    proc = await spawn_join(
+        tmp_path,
+        "--pool", "pool-a", "--scheduler", restarting_scheduler, "--owner", owner.node_id,
+        "--server.port", str(port), "--startup-attempts", "8",
+        "--engine.proof-processes", "2", "--engine.max-batch-size", "3",
+        "--engine.batch-wait-ms", "7", "--engine.max-model-len", "300",
+    )  # fmt: skip
+    health = None
+    try:
+        async with aiohttp.ClientSession() as http:
+            deadline = asyncio.get_running_loop().time() + 120
+            while health is None and proc.returncode is None:
+                assert asyncio.get_running_loop().time() < deadline, "node never served /health"
+                with contextlib.suppress(aiohttp.ClientError):
+                    async with http.get(f"http://127.0.0.1:{port}/health") as resp:
+                        health = await resp.json()
+                await asyncio.sleep(0.2)
+    finally:
+        if proc.returncode is None:
+            proc.terminate()
+        _, err = await asyncio.wait_for(proc.communicate(), 60)
+    assert health is not None, err.decode(errors="replace")
+    assert health["worker"] == {
+        "max_batch_size": 3,
+        "batch_wait_ms": 7.0,
+        "max_model_len": 300,
+        "proof_processes": 2,
+    }
 
 
 # ------------------------------------------------------------------ config

@@ -22,9 +22,9 @@ from protocol.messages import ProofParams
 from verifier.proof_batch import (
     MOD_N,
     ChunkStats,
-    _injective_moduli,
-    _interpolate,
     build_proofs_batched,
+    injective_moduli,
+    interpolate,
     verify_proofs_batched,
 )
 
@@ -199,8 +199,8 @@ def test_modulus_search_and_interpolation_match_toploc() -> None:
         rows.append(crafted + rng.sample(sorted(pool), 128 - len(crafted)))
     x = torch.tensor(rows)
     y = torch.randint(0, 65536, x.shape)
-    mod = _injective_moduli(x)
-    coef = _interpolate(x % mod[:, None], y)
+    mod = injective_moduli(x)
+    coef = interpolate(x % mod[:, None], y)
     for i in range(len(rows)):
         ref = ProofPoly.from_points(rows[i], y[i].tolist())
         assert int(mod[i]) == ref.modulus < MOD_N - 40

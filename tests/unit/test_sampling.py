@@ -7,7 +7,8 @@ import math
 import pytest
 import torch
 
-from verifier.sampling import RowParams, gumbel_noise, replay, row_key, sample
+from verifier.noise import gumbel_noise, row_key
+from verifier.sampling import RowParams, replay, sample
 
 EULER_GAMMA = 0.5772156649
 GUMBEL_STD = math.pi / math.sqrt(6)  # 1.2825
@@ -58,11 +59,11 @@ def test_noise_row_depends_only_on_its_seed_and_position():
 def test_noise_is_the_same_whatever_the_cpu_blocking(monkeypatch):
     """On a CPU the noise is made a few rows at a time (cache-sized passes); a row's values
     must not depend on the block it falls in, nor on where the blocks split the batch."""
-    import verifier.sampling as vs
+    import verifier.noise as vn
 
     seeds, positions = list(range(11)), [3 * i for i in range(11)]
     whole = gumbel_noise(seeds, positions, 700)
-    monkeypatch.setattr(vs, "CPU_NOISE_BLOCK_ELEMS", 3 * 700)  # 3 rows a block: 4 blocks
+    monkeypatch.setattr(vn, "CPU_NOISE_BLOCK_ELEMS", 3 * 700)  # 3 rows a block: 4 blocks
     blocked = gumbel_noise(seeds, positions, 700)
     assert torch.equal(blocked, whole)
     for r in (0, 2, 3, 10):  # first and last rows of blocks

@@ -1,13 +1,16 @@
 """Scheduler pieces in isolation: schema migrations (SQLite and PostgreSQL), the group
 committing writer, node choice, reputation and bans, rate limits, pool files and invites,
-config validation."""
+config validation, the published-weights ledger. The dispatch loop is driven in
+test_dispatch_loop.py (over a fake node-call layer) and test_dispatch_node_calls.py (its
+node calls for real, over a channel)."""
 
 from __future__ import annotations
 
-import asyncio
 import base64
 import contextlib
+import random
 import sys
+import time
 
 import pytest
 from alembic.autogenerate import compare_metadata
@@ -16,8 +19,9 @@ from sqlalchemy import func, select
 
 from protocol.config import ConfigError, load_config
 from protocol.identity import Identity
-from protocol.messages import PoolConfig, ReputationPolicy
+from protocol.messages import AdmissionPolicy, CheckerPolicy, PoolConfig, ReputationPolicy
 from scheduler import db
+from scheduler.checker_watch import CheckerWatch, WrongRateTest
 from scheduler.config import PoolCreateConfig, SchedulerConfig
 from scheduler.pool import PoolError, check_invite, make_invite, open_pool, sign_pool
 from scheduler.ratelimit import RateLimited, RateLimiter
@@ -107,8 +111,10 @@ def test_generator_choice_respects_version_capacity_state_and_load():
     assert reg.pick_generator(min_version=2) is d  # b too old, c unhealthy, a busier
     d.in_flight = d.capacity
     assert reg.pick_generator(min_version=2) is a  # d is full
-    assert reg.pick_generator(min_version=2, exclude={"n0"}) is None
-    assert reg.pick_generator(min_version=0, exclude={"n0"}) is b
+    assert reg.pick_generator(min_version=2, tried={"n0"}) is None  # d, untried, is full
+    assert reg.pick_generator(min_version=0, tried={"n0"}) is b
+    # Every node able to serve the request was tried: they are candidates again.
+    assert reg.pick_generator(min_version=2, tried={"n0", "n3"}) is a
     # Reputation weighs load: half the reputation counts like twice the load.
     d.in_flight = 0
     d.outstanding_tokens = 60
@@ -294,167 +300,8 @@ def test_probation_limits_a_new_node_until_its_rollouts_are_accepted():
     assert Registry(ReputationPolicy(), probation=0).probation == 0
 
 
-# -- dispatch: audits, the published-weights check, timeouts ---------------------------
-
-
-def _dispatcher(tmp_path, audit_rate: float = 1.0):
-    """A `Dispatcher` that is never started: `_judge` and the release side are scripted."""
-    from protocol.envelope import ReplayCache
-    from protocol.messages import VerificationPolicy
-    from scheduler.channel import NodeChannels
-    from scheduler.config import ChannelConfig, DispatchConfig
-    from scheduler.dispatch import Dispatcher
-    from scheduler.metrics import SchedulerMetrics
-
-    config = PoolConfig(
-        pool_id="p",
-        model="tiny",
-        trainer_public_key=Identity.generate().public_key,
-        verification=VerificationPolicy(audit_rate=audit_rate),
-    )
-    pool = open_pool(sign_pool(Identity.generate(), config))
-    engine = db.create_engine(f"sqlite+aiosqlite:///{tmp_path / 'd.db'}")
-    registry = Registry(ReputationPolicy(), probation=0)
-    writer = db.Writer(engine, 0.01)
-    channels = NodeChannels(
-        registry, "p", ChannelConfig(), ReplayCache(), lambda n: None, lambda n: None
-    )
-    d = Dispatcher(
-        pool,
-        Identity.generate(),
-        registry,
-        engine,
-        writer,
-        DispatchConfig(),
-        SchedulerMetrics(),
-        channels,
-    )
-    d.released, d.requeued, d.asked = [], [], []
-
-    async def release(job, status, detail, raw=b"", envelopes=None, *rest, **kw):
-        d.released.append((status, list(envelopes or [])))
-
-    d._release = release
-    d._requeue = lambda job, why: d.requeued.append(why)
-    d._spawn = lambda job, coro: asyncio.ensure_future(coro)
-    return d, registry
-
-
-def _script(d, registry, verdicts: list[bool]):
-    """`_judge` answers from `verdicts` in turn, each from a new node (v1, v2, ...)."""
-    from scheduler.jobs import Judged
-
-    answers = iter(verdicts)
-
-    async def judge(kind, rollout, raw, request, exclude):
-        accepted = next(answers)
-        n = node(len(d.asked) + 1)
-        registry.add(n)
-        assert all(e.node_id != n.node_id for e in exclude)
-        d.asked.append((kind, n, accepted))
-        verdict = type("V", (), {"accepted": accepted, "reasons": [] if accepted else ["bad"]})
-        return Judged(n, verdict, f"env-{kind}-{n.node_id}".encode())
-
-    d._judge = judge
-
-
-def _job(source: str = "dispatch"):
-    from protocol.messages import RolloutSpec, SamplingParams
-    from scheduler.jobs import Job
-
-    spec = RolloutSpec(request_id="r", prompt_ids=[1, 2], sampling=SamplingParams())
-    return Job("r", source, spec, 1, 0.0)
-
-
-async def test_audit_catches_a_verifier_that_accepted_a_bad_rollout(tmp_path):
-    d, registry = _dispatcher(tmp_path)
-    gen = node(0)
-    registry.add(gen)
-    d.jobs["r"] = job = _job()
-    # first accepts (a liar), the audit rejects, the judge rejects: both liars punished.
-    _script(d, registry, [True, False, False])
-    await d._verify_and_release(job, gen, None, b"raw", None)
-    kinds = [k for k, _, _ in d.asked]
-    assert kinds == ["verify", "audit", "dispute"]
-    first, auditor, judge = (n for _, n, _ in d.asked)
-    assert gen.reputation == first.reputation == 0.75
-    assert auditor.reputation == judge.reputation == 1.0
-    assert d.released == [] and d.requeued and "two of three" in d.requeued[0]
-    assert "n0" in job.tried
-    # The same through the OpenAI endpoint: one path, so generated again elsewhere too.
-    d.requeued.clear()
-    d.jobs["r"] = job = _job("openai")
-    _script(d, registry, [True, False, False])
-    await d._verify_and_release(job, gen, None, b"raw", None)
-    assert d.released == [] and d.requeued and "two of three" in d.requeued[0]
-
-
-async def test_audit_overturned_punishes_the_auditor_and_releases(tmp_path):
-    d, registry = _dispatcher(tmp_path)
-    gen = node(0)
-    registry.add(gen)
-    d.jobs["r"] = job = _job()
-    _script(d, registry, [True, False, True])
-    await d._verify_and_release(job, gen, None, b"raw", None)
-    first, auditor, judge = (n for _, n, _ in d.asked)
-    assert auditor.reputation == 0.75 and first.reputation == gen.reputation == 1.0
-    assert d.released == [("accepted", [b"env-verify-n1", b"env-audit-n2", b"env-dispute-n3"])]
-    # An upheld acceptance is released with both verdicts; nobody punished.
-    d.released.clear()
-    d.asked.clear()
-    d.jobs["r"] = job = _job()
-    _script(d, registry, [True, True])
-    await d._verify_and_release(job, gen, None, b"raw", None)
-    assert [k for k, _, _ in d.asked] == ["verify", "audit"]
-    assert d.released == [("accepted", [b"env-verify-n1", b"env-audit-n2"])]
-
-
-async def test_an_overturned_rejection_is_audited_too(tmp_path):
-    d, registry = _dispatcher(tmp_path)
-    gen = node(0)
-    registry.add(gen)
-    d.jobs["r"] = job = _job()
-    # first rejects, the judge accepts (a liar for an accomplice), the audit rejects.
-    _script(d, registry, [False, True, False])
-    await d._verify_and_release(job, gen, None, b"raw", None)
-    assert [k for k, _, _ in d.asked] == ["verify", "dispute", "audit"]
-    first, judge, auditor = (n for _, n, _ in d.asked)
-    assert judge.reputation == gen.reputation == 0.75 and first.reputation == 1.0
-    assert d.released == [] and d.requeued
-    # first rejects (a liar), judge and audit accept: the first verifier loses.
-    d.asked.clear()
-    d.jobs["r"] = job = _job()
-    _script(d, registry, [False, True, True])
-    await d._verify_and_release(job, gen, None, b"raw", None)
-    first, judge, auditor = (n for _, n, _ in d.asked)
-    assert first.reputation == 0.75 and judge.reputation == auditor.reputation == 1.0
-    assert d.released == [("accepted", [b"env-verify-n1", b"env-dispute-n2", b"env-audit-n3"])]
-
-
-async def test_no_audit_at_rate_zero_and_no_release_without_an_auditor(tmp_path):
-    d, registry = _dispatcher(tmp_path, audit_rate=0.0)
-    gen = node(0)
-    registry.add(gen)
-    d.jobs["r"] = job = _job()
-    _script(d, registry, [True])
-    await d._verify_and_release(job, gen, None, b"raw", None)
-    assert [k for k, _, _ in d.asked] == ["verify"] and d.released[0][0] == "accepted"
-    # Audit drawn but nobody to audit: nothing is released, the job goes elsewhere.
-    d, registry = _dispatcher(tmp_path / "b")
-    registry.add(gen)
-    d.jobs["r"] = job = _job()
-    first = iter([True])
-
-    async def judge(kind, *args, **kw):
-        from scheduler.jobs import Judged
-
-        if kind == "verify" and next(first, False):
-            return Judged(node(1), type("V", (), {"accepted": True}), b"v")
-        return None
-
-    d._judge = judge
-    await d._verify_and_release(job, gen, None, b"raw", None)
-    assert d.released == [] and d.requeued == ["accepted, but no eligible auditor"]
+# -- the published-weights check (the dispatch loop: test_dispatch_loop.py, and its node
+# calls: test_dispatch_node_calls.py) -----------------------------------------------------
 
 
 def test_rollout_weights_must_be_what_the_trainer_published():
@@ -504,46 +351,141 @@ async def test_scheduler_rebuilds_the_published_map_after_a_restart(tmp_path):
     assert server.ledger.published == {1: {"h1"}, 2: {"h2", "h2b"}, 3: {"h3"}}
 
 
-async def test_a_node_whose_calls_time_out_is_benched_despite_heartbeats(tmp_path):
-    import time
+def test_a_rollout_answers_its_request_in_every_field_the_request_fixes():
+    """One comparison (`protocol.answers.request_mismatches`) for the scheduler's own check
+    and every verifier's: each field the request fixes, changed alone, is named, and the
+    scheduler treats a signed contradiction as cheating."""
+    from protocol.answers import request_mismatches
+    from protocol.envelope import seal
+    from protocol.messages import ProofParams, Rollout, RolloutRequest, SamplingParams
+    from scheduler.checks import Cheated, open_rollout
+    from scheduler.ledger import WeightsLedger
 
-    from scheduler.dispatch import BENCH_S, TIMEOUTS_BEFORE_BENCH
+    me = Identity.generate()
+    request = RolloutRequest(request_id="r", pool_id="p", prompt_ids=[1, 2], seed=5, min_version=2)
+    honest = Rollout(
+        request_id="r",
+        pool_id="p",
+        node_id=me.node_id,
+        prompt_ids=[1, 2],
+        completion_ids=[3],
+        logprobs=[-0.5],
+        finish_reason="length",
+        sampling=request.sampling,
+        seed=5,
+        weights_version=2,
+        weights_hash="h",
+        proof=[b"p"],
+    )
+    gen = node(0, node_id=me.node_id, public_key=me.public_key)
+    ledger = WeightsLedger()
+    ledger.note(2, "h")
+    assert request_mismatches(honest, request) == []
+    assert open_rollout(seal(me, honest), gen, request, ledger) == honest
+    changes = {
+        "request_id": {"request_id": "other"},
+        "pool_id": {"pool_id": "q"},
+        "prompt": {"prompt_ids": [1, 3]},
+        "sampling": {"sampling": SamplingParams(temperature=0.5)},
+        "seed": {"seed": 6},
+        "proof layout": {"proof_params": ProofParams(chunk_tokens=16)},
+        "min_version": {"weights_version": 1},
+    }
+    for name, change in changes.items():
+        lie = honest.model_copy(update=change)
+        assert request_mismatches(lie, request) == [name]
+        with pytest.raises(Cheated, match=name):
+            open_rollout(seal(me, lie), gen, request, ledger)
 
-    d, registry = _dispatcher(tmp_path)
-    n = node(0)
-    registry.add(n)
-    for _ in range(TIMEOUTS_BEFORE_BENCH - 1):
-        d.note_timeout(n)
-    assert n.state == "healthy"
-    d.note_timeout(n)
-    assert n.state == "unhealthy" and n.benched_until > time.time() + BENCH_S - 5
-    registry.seen(n)  # it heartbeats, but its calls still time out: no work
-    assert n.state == "unhealthy" and registry.pick_generator(0) is None
-    registry.seen(n, now=n.benched_until + 1)  # the bench is over: one more chance
-    assert n.state == "healthy"
-    d.note_timeout(n)  # and it failed again: benched twice as long
-    assert n.benched_until > time.time() + 2 * BENCH_S - 5
+
+def test_the_right_to_check_is_earned_from_a_founding_set():
+    """In a pool that makes it earned, a newcomer never verifies until `earn_after` of its
+    rollouts were accepted; a founder verifies from the start; an open pool that asks for
+    earned rights must name its founders (fails fast), and invite or `earn_after` 0 pools
+    let every node check."""
+    founder, newcomer, gen = node(0), node(1), node(2)
+    for n in (founder, newcomer, gen):
+        n.weights_hash = "h"
+    reg = Registry(
+        ReputationPolicy(), checkers=CheckerPolicy(earn_after=2), founders=frozenset({"n0"})
+    )
+    for n in (founder, newcomer, gen):
+        reg.add(n)
+    picks = {reg.pick_verifier("h", [gen], set()).node_id for _ in range(50)}
+    assert picks == {"n0"}
+    assert not reg.earn(newcomer) and reg.earn(newcomer)  # the second one earns it
+    picks = {reg.pick_verifier("h", [gen], set()).node_id for _ in range(50)}
+    assert picks == {"n0", "n1"}
+    base = {"pool_id": "p", "model": "tiny", "trainer_public_key": bytes(32)}
+    with pytest.raises(ValueError, match="founders"):
+        PoolConfig(**base, checkers=CheckerPolicy(earn_after=5))
+    assert PoolConfig(**base).founding_checkers() is None  # rights not earned: everyone
+    invite = PoolConfig(
+        **base, admission=AdmissionPolicy(mode="invite"), checkers=CheckerPolicy(earn_after=5)
+    )
+    assert invite.founding_checkers() is None  # every node holds the owner's invite
+    a, b = Identity.generate().node_id, Identity.generate().node_id
+    listed = PoolConfig(
+        **base,
+        admission=AdmissionPolicy(mode="allowlist", allowlist=[a]),
+        checkers=CheckerPolicy(earn_after=5, founders=[b]),
+    )
+    assert listed.founding_checkers() == {a, b}
+    with pytest.raises(ValueError, match="not a node id|not an Ed25519 node id"):
+        CheckerPolicy(earn_after=5, founders=["my-laptop"])
 
 
-async def test_a_verifier_overturned_about_a_node_banned_later_gets_its_reputation_back(tmp_path):
-    """An honest verifier rejects a borderline cheat's rollout and the judge accepts it: the
-    verifier loses the dispute. When that generator is banned later (evidence, disputes),
-    the verifier was right and its reputation comes back; about an honest generator it
-    does not."""
-    d, registry = _dispatcher(tmp_path, audit_rate=0.0)
-    cheat, honest = node(0), node(9)
-    registry.add(cheat)
-    registry.add(honest)
-    d.jobs["r"] = job = _job()
-    _script(d, registry, [False, True])
-    await d._verify_and_release(job, cheat, None, b"raw", None)
-    first = d.asked[0][1]
-    assert first.reputation == 0.75 and d.released[0][0] == "accepted"
-    d.jobs["r"] = job = _job()
-    _script(d, registry, [False, True])  # new verifiers: n3, n4
-    await d._verify_and_release(job, honest, None, b"raw", None)
-    wrong = d.asked[2][1]
-    d._ban(cheat, "per-node evidence: confirmed")
-    assert first.reputation == 1.0
-    assert wrong.reputation == 0.75  # the node it rejected is not banned
-    assert cheat.state == "banned" and cheat.node_id not in d.overturned
+def test_the_checker_watch_spares_honest_noise_and_catches_a_checker_wrong_one_time_in_20():
+    """At the default policy: 100,000 verdicts of a checker outvoted at the honest rate
+    raise no alarm; one outvoted one time in 20 (which reputation alone would keep) raises
+    it within the expected ~200 verdicts' order; a turn after a long honest run is caught
+    as fast as from the start (credit is not banked)."""
+    policy = CheckerPolicy()
+    assert 150 < WrongRateTest.of(policy).verdicts_to_alarm(0.05) < 250
+    assert WrongRateTest.of(policy).verdicts_to_alarm(policy.honest_wrong_rate) == float("inf")
+    rng = random.Random(3)
+    watch = CheckerWatch(policy)
+
+    def verdicts_until_alarm(node: str, rate: float, limit: int) -> int | None:
+        for i in range(1, limit + 1):
+            if watch.observe(node, rng.random() < rate):
+                return i
+        return None
+
+    assert verdicts_until_alarm("honest", policy.honest_wrong_rate, 100_000) is None
+    assert verdicts_until_alarm("picky", 0.05, 1_000) is not None
+    assert verdicts_until_alarm("turncoat", 0.0, 10_000) is None
+    assert verdicts_until_alarm("turncoat", 0.05, 1_000) is not None
+    with pytest.raises(ValueError, match="suspect_wrong_rate must be above"):
+        CheckerPolicy(honest_wrong_rate=0.05, suspect_wrong_rate=0.05)
+
+
+def test_recent_identities_cannot_dominate_the_checkers_of_a_rollout():
+    """One founder, one established earner and twenty identities admitted a minute ago that
+    earned their rights: drawn uniformly they would give nine verdicts in ten; together
+    they are drawn about `recent_draw_share` of the time, a rollout that has a recent
+    checker gets no second one (it waits instead), and with no established checker free
+    a recent one still checks a first verdict (the pool goes on)."""
+    now = time.time()
+    founder = node(0, weights_hash="h", earned=0)
+    old = node(1, weights_hash="h", earned=5)
+    gen = node(2, weights_hash="h")
+    recent = [node(10 + i, weights_hash="h", earned=5, registered_at=now - 60) for i in range(20)]
+    reg = Registry(
+        ReputationPolicy(), checkers=CheckerPolicy(earn_after=1), founders=frozenset({"n0"})
+    )
+    for n in (founder, old, gen, *recent):
+        reg.add(n)
+    draws = [reg.pick_verifier("h", [gen], set()) for _ in range(2000)]
+    share = sum(reg.is_recent(n, now) for n in draws) / len(draws)
+    assert 0.2 < share < 0.3, share  # 0.25, not 20/22
+    second = [reg.pick_verifier("h", [gen, recent[0]], set(), [recent[0]]) for _ in range(200)]
+    assert {n.node_id for n in second} == {founder.node_id, old.node_id}
+    busy = {founder.node_id, old.node_id}
+    assert reg.pick_verifier("h", [gen], busy) in recent
+    assert reg.pick_verifier("h", [gen, recent[0]], busy, [recent[0]]) is None
+    # Where every admitted node checks at once (no earned rights), nobody is recent.
+    everyone = Registry(ReputationPolicy())
+    for n in (gen, *recent):
+        everyone.add(n)
+    assert not any(everyone.is_recent(n, now) for n in recent)

@@ -7,6 +7,8 @@ import hashlib
 import json
 import os
 import random
+import sys
+import threading
 import time
 from pathlib import Path
 
@@ -116,6 +118,68 @@ def test_store_keeps_only_pieces_that_match_and_resumes_after_a_crash(tmp_path):
     (src / "config.json").write_text("{}")  # a seed whose files do not fit its manifest
     with pytest.raises(ValueError, match="the manifest says"):
         PieceStore.seed(src, m)
+
+
+def _finish_while_serving(store: PieceStore, piece: bytes, envelope: bytes) -> list:
+    """Finish `store` while one thread reads piece 0 and another writes it again; returns
+    what those threads raised."""
+    errors: list[BaseException] = []
+    stop = threading.Event()
+
+    def serve(op) -> None:
+        try:
+            while not stop.is_set():
+                op()
+        except BaseException as exc:  # handed to the test thread
+            errors.append(exc)
+
+    def read() -> None:
+        assert store.read(0) == piece
+
+    def late_copy() -> None:
+        assert store.put(0, piece)
+
+    threads = [threading.Thread(target=serve, args=(op,)) for op in (read, late_copy)]
+    for t in threads:
+        t.start()
+    time.sleep(0.002)
+    store.finish(envelope)
+    time.sleep(0.002)
+    stop.set()
+    for t in threads:
+        t.join()
+    return errors
+
+
+def test_a_piece_asked_for_while_its_download_is_finished_is_served_from_its_files(tmp_path):
+    """A peer's request can reach the store while another thread finishes the download
+    (`Torrent._finish` renames `<dest>.partial` to `<dest>`), and a late endgame copy of
+    a piece can be written then too: each is read or written wherever the files are at
+    that moment, never a FileNotFoundError for the moved `.partial` folder (seen on the
+    H200 for `delta_N_*.partial/delta.zst`)."""
+    trainer = Identity.generate()
+    src = tmp_path / "v"
+    src.mkdir()
+    rng = random.Random(0)
+    for i in range(48):  # piece 0 spans 41 small files: a read opens them one by one
+        (src / f"f{i:02d}").write_bytes(rng.randbytes(100))
+    m, env = publish_folder(src, trainer, 1, 4 * KiB)
+    seed = PieceStore.seed(src, m)
+    pieces = [seed.read(i) for i in range(m.num_pieces)]
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(1e-5)  # threads switch often: the race shows in the first round
+    try:
+        for n in range(5):
+            dest = tmp_path / f"dl{n}" / "v"
+            store = PieceStore.download(dest, m)
+            for i, piece in enumerate(pieces):
+                assert store.put(i, piece)
+            errors = _finish_while_serving(store, pieces[0], env)
+            assert not errors, errors[0]
+            assert store.folder == dest and not dest.with_name("v.partial").exists()
+            assert store.read(0) == pieces[0]
+    finally:
+        sys.setswitchinterval(interval)
 
 
 # -- the picker ---------------------------------------------------------------------------

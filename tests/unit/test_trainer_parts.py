@@ -5,11 +5,14 @@ from __future__ import annotations
 
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
-from protocol.config import ConfigError, load_config
-from protocol.messages import Rollout, SamplingParams
+from protocol.config import ConfigError, load_config, write_resolved
+from protocol.envelope import seal
+from protocol.identity import Identity
+from protocol.messages import PoolConfig, Rollout, SamplingParams
 from trainer.batch import Batch, TrainingSample, read_batch, write_batch
 from trainer.config import OrchestratorConfig, RLConfig, TrainerConfig
 from trainer.envs.reverse_text import lcs_ratio, reward_lcs
@@ -68,6 +71,141 @@ def test_rl_config_hands_shared_settings_to_both_processes(tmp_path):
     t, o = cfg.trainer_config(), cfg.orchestrator_config()
     assert (t.async_level, o.async_level, t.max_steps, o.max_steps) == (3, 3, 7, 7)
     assert t.run_dir == o.run_dir == tmp_path
+
+
+@pytest.mark.parametrize(
+    "path",
+    sorted(Path("configs/rl").glob("*.toml")) + sorted(Path("configs/trainer").glob("*.toml")),
+)
+def test_trainer_side_config_files_load(path):
+    """Every run config in configs/ loads into its model (unknown or moved keys fail)."""
+    from trainer.config import SFTConfig
+
+    model = SFTConfig if path.name.startswith("sft-") else RLConfig
+    model = TrainerConfig if path.parent.name == "trainer" else model
+    cfg = load_config(model, ["@", str(path)])
+    if isinstance(cfg, RLConfig):
+        assert cfg.trainer_config().async_level == cfg.orchestrator_config().async_level
+
+
+def signed_pool(path: Path, async_level: int, trainer_key: Path | None = None) -> Path:
+    """An owner-signed pool file signed with `async_level` (its trainer key created)."""
+    trainer = Identity.load_or_create(trainer_key or path.parent / "trainer.key")
+    owner = Identity.load_or_create(path.parent / "owner.key")
+    pool = PoolConfig(
+        pool_id="p", model="tiny", trainer_public_key=trainer.public_key, async_level=async_level
+    )
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_bytes(seal(owner, pool))
+    return path
+
+
+def test_rl_passes_on_every_trainer_and_orchestrator_setting(tmp_path):
+    """`rl` once dropped batch_timeout_s, peak_flops and model_name: every field of the
+    process configs is now reachable under `trainer.`/`orchestrator.` and reaches the
+    config the child reads (its resolved TOML loads back to what `rl` built)."""
+    cfg = load_config(
+        RLConfig,
+        [
+            "--run-dir", str(tmp_path),
+            "--trainer.batch-timeout-s", "12.5",
+            "--trainer.peak-flops", "1e15",
+            "--orchestrator.model-name", "served-name",
+            "--trainer.nproc", "2",
+        ],
+    )  # fmt: skip
+    t, o = cfg.trainer_config(), cfg.orchestrator_config()
+    assert (t.batch_timeout_s, t.peak_flops, o.model_name) == (12.5, 1e15, "served-name")
+    back = load_config(TrainerConfig, ["@", str(write_resolved(t, tmp_path / "t.toml"))])
+    assert back == t
+    back = load_config(OrchestratorConfig, ["@", str(write_resolved(o, tmp_path / "o.toml"))])
+    assert back == o
+    for part, process in (("trainer", TrainerConfig), ("orchestrator", OrchestratorConfig)):
+        contained = RLConfig.model_fields[part].annotation.model_fields
+        assert set(process.model_fields) <= set(contained), f"rl cannot set all of {part}"
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--trainer.async-level", "3"], r"trainer.async_level is 3 but the run's async_level is 2"),
+        (["--orchestrator.max-steps", "5"], r"orchestrator.max_steps is 5 but the run's max_steps is 20"),
+        (["--trainer.model.name", "smollm2"], r"trainer.model.name is 'smollm2' but the run's model.name is 'tiny'"),
+        (["--orchestrator.group-size", "4"], r"orchestrator.group_size is 4 but the run's group_size is 8"),
+        (["--weights.trainer-key", "a.key", "--orchestrator.trainer-key", "b.key"], r"weights.trainer_key \(a.key\) differs from orchestrator.trainer_key \(b.key\)"),
+    ],
+)  # fmt: skip
+def test_rl_refuses_a_second_value_for_a_run_wide_setting(argv, message):
+    with pytest.raises(ConfigError, match=message):
+        load_config(RLConfig, argv)
+
+
+def test_rl_shared_settings_set_once_reach_both_processes_and_read_back(tmp_path):
+    cfg = load_config(
+        RLConfig,
+        [
+            "--run-dir", str(tmp_path), "--async-level", "0", "--batch-size", "16",
+            "--group-size", "4", "--model.dtype", "float32", "--weights.transport", "swarm",
+            "--orchestrator.trainer-key", str(tmp_path / "k.key"),
+            "--trainer.async-level", "0",  # the run's value again: accepted
+        ],
+    )  # fmt: skip
+    t, o = cfg.trainer_config(), cfg.orchestrator_config()
+    assert (t.async_level, o.async_level, o.batch_size, o.group_size) == (0, 0, 16, 4)
+    assert t.model.dtype == "float32" and t.weights.transport == o.weights.transport == "swarm"
+    assert t.weights.trainer_key == o.trainer_key == tmp_path / "k.key"
+    back = load_config(RLConfig, ["@", str(write_resolved(cfg, tmp_path / "rl.toml"))])
+    assert back == cfg
+
+
+def test_rl_loss_temperature_is_the_sampling_temperature():
+    cfg = load_config(RLConfig, ["--orchestrator.sampling.temperature", "0.7"])
+    assert cfg.trainer_config().loss.temperature == 0.7
+    same = ["--orchestrator.sampling.temperature", "0.7", "--trainer.loss.temperature", "0.7"]
+    assert load_config(RLConfig, same).trainer_config().loss.temperature == 0.7
+    with pytest.raises(
+        ConfigError,
+        match=r"trainer.loss.temperature \(0.5\) differs from orchestrator.sampling.temperature \(1.0\)",
+    ):
+        load_config(RLConfig, ["--trainer.loss.temperature", "0.5"])
+
+
+def test_rl_refuses_a_pool_signed_with_another_async_level(tmp_path):
+    pool = signed_pool(tmp_path / "p.pool", async_level=2)
+    with pytest.raises(ConfigError, match=r"async_level 3 differs from the async_level 2"):
+        load_config(RLConfig, ["--async-level", "3", "--orchestrator.pool", str(pool)])
+    cfg = load_config(RLConfig, ["--async-level", "2", "--orchestrator.pool", str(pool)])
+    assert cfg.orchestrator_config().async_level == 2
+
+
+def test_orchestrator_refuses_a_pool_signed_with_another_async_level(tmp_path):
+    from trainer.orchestrator import Orchestrator, OrchestratorError
+
+    pool = signed_pool(tmp_path / "p.pool", async_level=1)
+    cfg = OrchestratorConfig(pool=pool, trainer_key=tmp_path / "trainer.key", async_level=2)
+    with pytest.raises(OrchestratorError, match=r"async_level 2 differs from the async_level 1"):
+        Orchestrator(cfg)
+
+
+def test_local_swarm_refuses_its_pool_signed_with_another_async_level(tmp_path):
+    """The launcher signs the local pool with the run's async_level; pool_args cannot
+    change it, and a pool file that says otherwise stops the run before any child starts."""
+    from trainer.local_swarm import LaunchError, LocalPool
+
+    with pytest.raises(ConfigError, match="pool_args must not set --async-level"):
+        load_config(RLConfig, ["--local-swarm.pool-args", '["--async-level", "3"]'])
+    cfg = load_config(
+        RLConfig, ["--run-dir", str(tmp_path), "--local-swarm.enabled", "--async-level", "3"]
+    )
+    local = LocalPool(cfg)
+    local.api_key_file.touch()  # `create_pool` writes it
+    signed_pool(local.pool_file, async_level=2, trainer_key=local.keys / "trainer.key")
+    with pytest.raises(LaunchError, match=r"async_level 3 differs from the async_level 2"):
+        local.rl_config()
+    signed_pool(local.pool_file, async_level=3, trainer_key=local.keys / "trainer.key")
+    run = local.rl_config()
+    assert run.orchestrator_config().pool == local.pool_file
+    assert run.trainer_config().weights.trainer_key == local.keys / "trainer.key"
 
 
 def decode(ids: list[int]) -> str:
@@ -190,7 +328,6 @@ def test_batch_file_drops_stale_samples(tmp_path):
 
 
 def test_orchestrator_refuses_a_key_that_is_not_the_pools_trainer(tmp_path):
-    from protocol.identity import Identity
     from tests.pools import make_pool
     from trainer.orchestrator import Orchestrator, OrchestratorError
 
