@@ -15,6 +15,9 @@ Two layers:
   Three lie in what a client reads (`lying-json`, `other-prompt`, `truncating`: the
   prompt ids, text, logprobs and finish reason that the old OpenAI path took from a
   worker's JSON) and sign their lies, recomputing whatever makes them look honest cheaply.
+  The launder family (`LAUNDER`, `launder`) takes its tokens from cheaper compute and
+  every claim (logprobs, proof rows) from one prefill of the real model: only the tokens
+  can give it away (tests/integration/test_launder.py).
 
 Invariant: nothing here is imported by production code; production code offers at most
 a documented class-attribute hook (`PoolNode.worker_cls`, `PoolNode.swarm_cls`,
@@ -31,7 +34,7 @@ from collections.abc import Callable
 
 import torch
 
-from node.engines.base import GenerationRequest, InferenceEngine
+from node.engines.base import GenerationRequest, GenerationResult, InferenceEngine
 from node.worker import make_rollout
 from protocol.envelope import seal
 from protocol.identity import Identity
@@ -418,6 +421,82 @@ class Fp8WeightsWorker(_CheatEngineWorker):
     back to the engine dtype (an FP8 kernel's weights), claiming the pool's weights. About
     as coarse as int8 (3 mantissa bits): caught per rollout where thresholds are tight,
     otherwise by per-node evidence."""
+
+    def _cheat_engine(self, engine):
+        return _quantized_engine(engine, quantize_fp8)
+
+
+def launder(real, cheap, requests: list[GenerationRequest]) -> list[GenerationResult]:
+    """The cheapest liar to build (issue 27): tokens from `cheap` (a cheaper model), every
+    claim from one batched prefill of `real` over them: the logprobs the verifier's replay
+    computes and the hidden rows its proof is built from. Only the tokens themselves can
+    give it away: a token that is not the real model's seeded choice."""
+    from verifier.sampling import RowParams, replay_spec, row_spec
+
+    gens = cheap.generate(requests)
+    pre = real.prefill(
+        [(q.prompt_ids, g.completion_ids) for q, g in zip(requests, gens, strict=True)]
+    )
+    sizes = [len(g.completion_ids) for g in gens]
+    spec = row_spec(
+        [t for g in gens for t in g.completion_ids],
+        [RowParams(q.sampling.temperature, q.sampling.top_k, q.sampling.top_p) for q in requests],
+        [q.seed for q in requests],
+        sizes,
+        real.vocab_size,
+        pre[0].logits.device,
+    )
+    claimed = replay_spec(torch.cat([p.logits for p in pre]), spec, 0.0).logprobs.cpu()
+    return [
+        GenerationResult(g.completion_ids, lp.tolist(), g.finish_reason, p.hidden_states)
+        for g, lp, p in zip(gens, claimed.split(sizes), pre, strict=True)
+    ]
+
+
+# `launder-noise` generates with the pool's weights plus noise of this x each tensor's std
+# (PRIME_LAUNDER_SCALE); the issue measured 1e-3 passing every check of a bf16 H200 pool.
+LAUNDER_SCALE = float(os.environ.get("PRIME_LAUNDER_SCALE", "1e-3"))
+
+
+class _LaunderWorker(_CheatEngineWorker):
+    """Generates its tokens with the cheat copy of the engine and takes every claim from a
+    prefill of the real one (`launder`); claims the real engine's version and hash."""
+
+    def _generate_stream(self, requests, more, deliver):
+        from node.worker import Generated
+
+        real = self.engine
+        if self._cheat is None or self._cheat_for != real.weights_hash:
+            self._cheat, self._cheat_for = self._cheat_engine(real), real.weights_hash
+        version, weights_hash = real.weights_version, real.weights_hash
+        for i, r in enumerate(launder(real, self._cheat, requests)):
+            deliver(i, Generated(r, version, weights_hash))
+
+
+class LaunderNoiseWorker(_LaunderWorker):
+    """Laundered tokens from the pool's weights plus Gaussian noise (`LAUNDER_SCALE`)."""
+
+    def _cheat_engine(self, engine):
+        return perturbed_engine(engine, LAUNDER_SCALE, seed=OTHER_WEIGHTS_SEED)
+
+
+class LaunderInt8Worker(_LaunderWorker):
+    """Laundered tokens from int8 weights (`Int8WeightsWorker`'s model)."""
+
+    bits = 8
+
+    def _cheat_engine(self, engine):
+        return _quantized_engine(engine, lambda w: quantize_per_channel(w, self.bits))
+
+
+class LaunderInt4Worker(LaunderInt8Worker):
+    """Laundered tokens from int4 weights."""
+
+    bits = 4
+
+
+class LaunderFp8Worker(_LaunderWorker):
+    """Laundered tokens from fp8 e4m3 weights (`Fp8WeightsWorker`'s model)."""
 
     def _cheat_engine(self, engine):
         return _quantized_engine(engine, quantize_fp8)
@@ -883,6 +962,10 @@ DISHONEST_WORKERS = {
     "lower-temperature": LowerTemperatureWorker,
     "narrower-top-p": NarrowerTopPWorker,
     "steered-token": SteeredTokenWorker,
+    "launder-noise": LaunderNoiseWorker,
+    "launder-int8": LaunderInt8Worker,
+    "launder-int4": LaunderInt4Worker,
+    "launder-fp8": LaunderFp8Worker,
     # verifier cheats (generate honestly)
     "reject-all": RejectAllVerifier,
     "accept-all": AcceptAllVerifier,
@@ -904,6 +987,8 @@ CHEAPER_COMPUTE = (
     "narrower-top-p",
     "steered-token",
 )
+# Tokens from cheaper compute with every claim from a real prefill (issue 27, `launder`).
+LAUNDER = ("launder-noise", "launder-int8", "launder-int4", "launder-fp8")
 GENERATOR_CHEATS = (
     "other-weights",
     "perturbed-weights",

@@ -606,13 +606,14 @@ async def test_a_liar_in_what_clients_read_is_banned_and_never_answers_them(tmp_
 def test_every_kind_is_a_worker_for_the_real_join():
     """The kinds other tests and training runs name (`Pool.join(name, dishonest=KIND)`)."""
     from node.worker import Worker
-    from tests.adversaries import CHEAPER_COMPUTE, DISHONEST_WORKERS
+    from tests.adversaries import CHEAPER_COMPUTE, DISHONEST_WORKERS, LAUNDER
 
     assert set(DISHONEST_WORKERS) == {
         *GENERATOR_CHEATS.values(),
         "wrong-version",
         *LIARS,
         *CHEAPER_COMPUTE,
+        *LAUNDER,
         "reject-all",
         "accept-all",
         "corrupt-pieces",
