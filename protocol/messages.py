@@ -531,14 +531,33 @@ class EvidencePolicy(Message):
     """The systematic excess, in honest standard deviations of a rollout's score, the test
     is tuned to catch fastest (larger excesses are caught faster still)."""
     false_flag_rate: float = Field(1e-6, gt=0, lt=1)
-    """Probability that an honest node is flagged at least once within `horizon` rollouts."""
+    """Probability that an honest node is flagged at least once within `horizon` rollouts
+    (by any of its tests together: the budget is split evenly between them)."""
     horizon: int = Field(10_000, ge=1)
     """Rollouts of one node that `false_flag_rate` covers."""
+    floor_watch: bool = False
+    """Also flag a node whose scores sit below the honest floor: claims more exact than
+    any honest engine of the mix computes (a launderer's, taken from a real prefill). Only
+    for a mix whose every honest engine is as noisy as calibrated: an exact decode among
+    them (the slot decode next to the loop's) would be flagged, so no shipped file sets it."""
+    off_replay: float | None = Field(None, ge=0, lt=1)
+    """Honest share of tokens that are not the verifier's replayed seeded choice (a replay
+    score gap above the checks' `OFF_REPLAY_GAP`), fitted from honest verdicts; None: the
+    replay test is off. Zero on an exact mix (the test then uses `OFF_REPLAY_FLOOR`)."""
+    off_replay_excess: float = Field(2e-3, gt=0, lt=1)
+    """The excess per-token rate over `off_replay` that the replay test is tuned to catch
+    fastest: on an exact mix, about threshold / log(excess / floor) tokens off the seeded
+    choice (4 at the defaults), each under the per-rollout tolerance, flag a node."""
+
+    @property
+    def tests(self) -> int:
+        """How many one-sided tests share the false-flag budget."""
+        return 1 + self.floor_watch + (self.off_replay is not None)
 
     @property
     def threshold(self) -> float:
-        """CUSUM level that keeps `false_flag_rate` over `horizon` rollouts."""
-        return math.log(self.horizon / self.false_flag_rate)
+        """CUSUM level that keeps `false_flag_rate` over `horizon` rollouts, all tests."""
+        return math.log(self.horizon * self.tests / self.false_flag_rate)
 
     def sd(self, tokens: int) -> float:
         return math.sqrt(self.between**2 + self.token**2 / max(tokens, 1))

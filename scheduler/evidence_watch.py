@@ -1,7 +1,8 @@
 """Per-node evidence in the scheduler: each generator's sequential test, fed by verdicts,
 and what a flag sets off (DESIGN.md section 10; the test itself is `protocol.evidence`).
 
-Every verdict signs its rollout's error score (`evidence_score`). A flagged node's latest
+Every verdict signs its rollout's error score and its count of tokens off the seeded
+choice (`evidence_score`). A flagged node's latest
 rollouts (up to `RECHECK`) go to fresh verifiers (not the generator, not the verifier that
 scored them); if the same test over their scores reaches `confirm_threshold`, the node is
 banned; otherwise its test starts again from zero.
@@ -22,7 +23,7 @@ from collections import deque
 from collections.abc import Callable
 from typing import Protocol
 
-from protocol.evidence import NodeEvidence, confirm_threshold
+from protocol.evidence import NodeEvidence, RolloutScore, confirm_threshold
 from protocol.messages import EvidencePolicy, Rollout, RolloutRequest, Verdict
 from scheduler.jobs import Judged
 from scheduler.node_record import NodeRecord
@@ -34,17 +35,24 @@ RECHECK = 32  # rollouts per generator kept for the fresh re-verification a flag
 RECHECK_WAIT_S = 5.0  # a rollout of weights no node holds any more is skipped, not waited for
 
 
-def evidence_score(v: Verdict, temperature: float) -> tuple[float, int] | None:
-    """(clipped mean |logprob error|, tokens) a verdict signed, or None if it has none.
+def evidence_score(v: Verdict, temperature: float) -> RolloutScore | None:
+    """(clipped mean |logprob error|, tokens, tokens off the seeded choice) a verdict
+    signed, or None if it has no error score.
 
     Logprobs are taken under softmax(logits / T), so an honest engine's error grows as 1/T
     below T = 1: the score is brought back to T = 1 units (the honest model's), so that a
     client asking for low temperatures never gets an honest node flagged."""
     scale = temperature if 0 < temperature < 1 else 1.0
-    for c in v.checks:
-        if c.name == "logprobs" and "clipped_mean_abs_diff" in c.metrics:
-            return c.metrics["clipped_mean_abs_diff"] * scale, int(c.metrics.get("tokens", 1))
-    return None
+    checks = {c.name: c.metrics for c in v.checks}
+    lp = checks.get("logprobs", {})
+    if "clipped_mean_abs_diff" not in lp:
+        return None
+    off = checks.get("sampling", {}).get("off_replay_tokens")
+    return RolloutScore(
+        lp["clipped_mean_abs_diff"] * scale,
+        int(lp.get("tokens", 1)),
+        None if off is None else int(off),
+    )
 
 
 class Judge(Protocol):
@@ -98,11 +106,12 @@ class EvidenceWatch:
         test = self.tests.setdefault(gen.node_id, NodeEvidence())
         if test.add(policy, *score) and gen.node_id not in self.rechecking:
             log.warning(
-                "%s flagged by per-node evidence after %d rollouts (statistic %.1f >= %.1f): "
-                "rechecking its recent rollouts",
+                "%s flagged by per-node evidence after %d rollouts, %s (statistic %.1f >= "
+                "%.1f): rechecking its recent rollouts",
                 gen.label,
                 test.rollouts,
-                test.statistic,
+                test.flagged_by,
+                test.peak,
                 policy.threshold,
             )
             self.rechecking[gen.node_id] = asyncio.Event()
@@ -125,9 +134,10 @@ class EvidenceWatch:
                 if score is not None:
                     fresh.add(policy, *score)
             if fresh.peak >= confirm_threshold(policy):
+                flag = self.tests[gen.node_id].flagged_by
                 self.ban(
                     gen,
-                    f"per-node evidence: errors systematically above honest noise "
+                    f"per-node evidence: {flag} "
                     f"(confirmed by fresh verifiers over {fresh.rollouts} rollouts, "
                     f"statistic {fresh.peak:.1f})",
                 )

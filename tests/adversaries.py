@@ -17,7 +17,8 @@ Two layers:
   worker's JSON) and sign their lies, recomputing whatever makes them look honest cheaply.
   The launder family (`LAUNDER`, `launder`) takes its tokens from cheaper compute and
   every claim (logprobs, proof rows) from one prefill of the real model: only the tokens
-  can give it away (tests/integration/test_launder.py).
+  can give it away (tests/integration/test_launder.py); `near-tie` is its sharpest
+  member, the real model's own tokens except where the best two are nearly tied.
 
 Invariant: nothing here is imported by production code; production code offers at most
 a documented class-attribute hook (`PoolNode.worker_cls`, `PoolNode.swarm_cls`,
@@ -502,6 +503,74 @@ class LaunderFp8Worker(_LaunderWorker):
         return _quantized_engine(engine, quantize_fp8)
 
 
+# `near-tie` takes the runner-up wherever the real model's best two seeded scores are
+# closer than this (PRIME_NEAR_TIE_MARGIN): under the shipped bf16 CUDA replay tolerance
+# (1.39), so a mix with fitted tolerances cannot see it per rollout.
+NEAR_TIE_MARGIN = float(os.environ.get("PRIME_NEAR_TIE_MARGIN", "0.5"))
+
+
+class NearTie:
+    """A generator on the real model that lies only where a lie is hardest to see: at every
+    position whose best two seeded scores (the filtered, scaled logits plus the request's
+    Gumbel noise, as `verifier.sampling` samples) are closer than `margin`, it takes the
+    runner-up. One prefill of `real` per decode step (slow, exact, and simple): the
+    logits are the verifier's own, so every other token is the honest choice and the
+    claims, from `launder`'s prefill, are exact. The steering a near-tie buys is small,
+    but a tolerance that admits it admits it at every such position."""
+
+    def __init__(self, real, margin: float):
+        self.real, self.margin = real, margin
+
+    @torch.inference_mode()
+    def generate(self, requests: list[GenerationRequest]) -> list[GenerationResult]:
+        from node.engines.common import StopWatcher
+        from verifier.noise import gumbel_noise
+        from verifier.sampling import RowParams, param_tensors, support_mask
+
+        real, vocab = self.real, self.real.vocab_size
+        ids: list[list[int]] = [[] for _ in requests]
+        finish: list[str | None] = [None] * len(requests)
+        stops = [StopWatcher(real.tokenizer, q.sampling.stop) for q in requests]
+        while live := [i for i, f in enumerate(finish) if f is None]:
+            # The last row of a prefill over (prompt, ids + [any]) predicts the next token.
+            pre = real.prefill([(requests[i].prompt_ids, [*ids[i], real.pad_id]) for i in live])
+            logits = torch.stack([p.logits[-1] for p in pre]).float()
+            asked = [requests[i].sampling for i in live]
+            params = [RowParams(s.temperature, s.top_k, s.top_p) for s in asked]
+            t, k, p = param_tensors(params, vocab, logits.device)
+            scaled = logits / t[:, None]
+            mask = support_mask(scaled, k, p)
+            scores = scaled if mask is None else scaled.masked_fill(~mask, float("-inf"))
+            seeds = [requests[i].seed for i in live]
+            noise = gumbel_noise(seeds, [len(ids[i]) for i in live], vocab, logits.device)
+            hot = torch.tensor([s.temperature > 0 for s in asked], device=logits.device)
+            top = (scores + noise * hot[:, None]).topk(2, dim=-1)
+            close = (top.values[:, 0] - top.values[:, 1]) < self.margin  # inf gap: never
+            picks = torch.where(close, top.indices[:, 1], top.indices[:, 0]).tolist()
+            for i, tok in zip(live, picks, strict=True):
+                q = requests[i]
+                ids[i].append(int(tok))
+                if (tok in real.eos_token_ids and not q.sampling.ignore_eos) or stops[i].hit(
+                    ids[i]
+                ):
+                    finish[i] = "stop"
+                elif len(ids[i]) >= q.sampling.max_tokens:
+                    finish[i] = "length"
+        # Logprobs and rows are placeholders: `launder` takes both from the real prefill.
+        empty = torch.empty(0)
+        return [GenerationResult(c, [], f, empty) for c, f in zip(ids, finish, strict=True)]  # type: ignore[arg-type]
+
+
+class NearTieWorker(_LaunderWorker):
+    """Takes the runner-up token wherever the real model's best two seeded scores are
+    within `NEAR_TIE_MARGIN` (`NearTie`), every claim from a real prefill (`launder`).
+    Caught per rollout only where the replay tolerance is tighter than the margin (the
+    exact tier); a noisy mix's fitted tolerance admits it."""
+
+    def _cheat_engine(self, engine):
+        return NearTie(engine, NEAR_TIE_MARGIN)
+
+
 # `lower-temperature` samples at this fraction of the requested temperature.
 LOWER_TEMPERATURE_FACTOR = 0.8
 # `narrower-top-p` samples with at most this nucleus.
@@ -966,6 +1035,7 @@ DISHONEST_WORKERS = {
     "launder-int8": LaunderInt8Worker,
     "launder-int4": LaunderInt4Worker,
     "launder-fp8": LaunderFp8Worker,
+    "near-tie": NearTieWorker,
     # verifier cheats (generate honestly)
     "reject-all": RejectAllVerifier,
     "accept-all": AcceptAllVerifier,
@@ -988,7 +1058,7 @@ CHEAPER_COMPUTE = (
     "steered-token",
 )
 # Tokens from cheaper compute with every claim from a real prefill (issue 27, `launder`).
-LAUNDER = ("launder-noise", "launder-int8", "launder-int4", "launder-fp8")
+LAUNDER = ("launder-noise", "launder-int8", "launder-int4", "launder-fp8", "near-tie")
 GENERATOR_CHEATS = (
     "other-weights",
     "perturbed-weights",

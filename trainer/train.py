@@ -48,8 +48,10 @@ from trainer.parallel import (
     apply_compile,
     apply_fsdp,
     destroy_distributed,
+    end_rank,
     gather_full_state_dict,
     init_distributed,
+    is_distributed,
 )
 from trainer.weights import make_transport, save_hf_folder
 
@@ -305,16 +307,20 @@ def main(argv: list[str]) -> None:
     """`prime-trainer train @ config.toml --key value ...` (also under torchrun)."""
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     cfg = load_config_or_exit(TrainerConfig, argv)  # a bad config: message, exit 2
-    trainer = None
+    trainer, done = None, False
     try:
         trainer = Trainer(cfg)
         trainer.run()
+        done = True
     except TimeoutError as exc:
         raise SystemExit(f"prime-trainer train: {exc}") from None
     finally:
         if trainer is not None:
             trainer.monitor.close()
-        destroy_distributed()
+        if not done:
+            destroy_distributed()
+    if is_distributed():
+        end_rank(0)  # a finished rank: no interpreter finalization for gloo to abort in
 
 
 if __name__ == "__main__":

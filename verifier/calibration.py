@@ -11,7 +11,8 @@ where tampering starts (a capped metric then rejects honest rollouts more often 
 target: `honest_rate` says how often).
 
 Also the per-node evidence model (`propose_evidence`): the honest mean and spread of each
-rollout's clipped mean logprob error, fitted from the same verdicts.
+rollout's clipped mean logprob error, fitted from the same verdicts, and the honest share
+of tokens off the replayed seeded choice (0 on an exact mix).
 
 Invariant: proposed thresholds are never below the worst honest value measured, whatever
 the target; the
@@ -274,4 +275,15 @@ def propose_evidence(verdict_checks: list[list[CheckResult]], **settings) -> Evi
     ]
     fitted = fit_noise(scores, **settings)
     floor = max(MIN_EVIDENCE_SD, 0.1 * fitted.mu)
-    return fitted.model_copy(update={"between": round(max(fitted.between, floor), 6)})
+    update: dict = {"between": round(max(fitted.between, floor), 6)}
+    # The replay test's honest rate, where the verdicts counted tokens off the seeded choice.
+    counts = [
+        (c.metrics["off_replay_tokens"], c.metrics.get("tokens"))
+        for checks in verdict_checks
+        for c in checks
+        if c.name == "sampling" and "off_replay_tokens" in c.metrics
+    ]
+    tokens = sum(n for _, n in scores)
+    if counts and tokens and "off_replay" not in settings:
+        update["off_replay"] = sum(k for k, _ in counts) / tokens
+    return fitted.model_copy(update=update)

@@ -33,6 +33,10 @@ from verifier.sampling import ReplayResult, RowLogits, RowParams, replay_spec, r
 
 Decode = Callable[[list[int]], str]
 DEFAULT_EVIDENCE_CAP = 1.0  # `EvidencePolicy.cap` of a pool without per-node evidence
+# A token whose replay score gap exceeds this is counted off the seeded choice (the
+# sampling check's `off_replay_tokens`, the per-node replay test's input): above the float
+# noise of an exact mix's replay, where an honest gap is 0 or about 1e-6.
+OFF_REPLAY_GAP = 1e-4
 
 
 def check_request(rollout: Rollout, request: RolloutRequest | None) -> CheckResult:
@@ -207,7 +211,11 @@ def check_rollout(
             detail=f"{mism}/{n} tokens are not the seeded sampler's choice"
             if frac > policy.max_sampling_mismatch_fraction
             else "",
-            metrics={"mismatch_fraction": frac, "max_score_gap": float(rep.score_gap.max())},
+            metrics={
+                "mismatch_fraction": frac,
+                "max_score_gap": float(rep.score_gap.max()),
+                "off_replay_tokens": float(int((rep.score_gap > OFF_REPLAY_GAP).sum())),
+            },
         )
     )
 

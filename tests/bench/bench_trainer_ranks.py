@@ -103,7 +103,7 @@ def worker(args: argparse.Namespace) -> int:
     from transformers.utils import logging as hf_logging
 
     from trainer.config import ModelConfig, MonitorConfig, TrainerConfig
-    from trainer.parallel import destroy_distributed, is_distributed
+    from trainer.parallel import end_rank, is_distributed
     from trainer.train import Trainer
 
     hf_logging.set_verbosity_error()
@@ -184,7 +184,8 @@ def worker(args: argparse.Namespace) -> int:
         }
         Path(args.result).write_text(json.dumps(result, indent=1, default=str) + "\n")
     trainer.monitor.close()
-    destroy_distributed()
+    if is_distributed():
+        end_rank(0)
     return 0
 
 

@@ -128,10 +128,13 @@ def test_a_verdicts_score_is_brought_back_to_temperature_one():
         accepted=True,
         checks=[check],
     )
-    assert evidence_score(v, 1.0) == (0.4, 100)
-    assert evidence_score(v, 0.1) == (pytest.approx(0.04), 100)
-    assert evidence_score(v, 0.0) == (0.4, 100)  # greedy: logprobs are at T = 1
+    assert evidence_score(v, 1.0) == (0.4, 100, None)
+    assert evidence_score(v, 0.1) == (pytest.approx(0.04), 100, None)
+    assert evidence_score(v, 0.0) == (0.4, 100, None)  # greedy: logprobs are at T = 1
     assert evidence_score(v.model_copy(update={"checks": []}), 1.0) is None
+    # The replay test's input: the sampling check's count of tokens off the seeded choice.
+    replayed = CheckResult(name="sampling", passed=True, metrics={"off_replay_tokens": 2.0})
+    assert evidence_score(v.model_copy(update={"checks": [check, replayed]}), 1.0) == (0.4, 100, 2)
 
 
 def test_thresholds_come_from_the_fitted_tail_at_the_target_rate():
