@@ -159,7 +159,7 @@ class Worker:
         # Proofs built and checked batched on the GPU (`verifier.proof_batch`) go with the
         # slot decode: its top-k may break ties between equal |values| unlike toploc's CPU
         # top-k, and the shipped CUDA thresholds were fitted to toploc on both sides.
-        self.gpu_proofs = getattr(getattr(engine, "config", None), "decode", "loop") == "slots"
+        self.gpu_proofs = getattr(engine, "decode", "loop") == "slots"
         self.gen_batcher: Batcher[GenerationRequest, Generated] = Batcher(
             self._generate_stream,
             self.executor,

@@ -1,7 +1,7 @@
 """The `torch` engine: a transformers causal LM driven by our own decode loop.
 
-Two decode paths, chosen by `EngineConfig.decode`: 'loop' (the default, CPU and GPU),
-batched generation with transformers' growing cache (left-padded prompts, one forward per
+Two decode paths, chosen by `EngineConfig.decode` ('auto': slots on CUDA, loop elsewhere;
+`TorchEngine.decode` says which runs): 'loop', batched generation with transformers' growing cache (left-padded prompts, one forward per
 step); 'slots', continuous batching over a static KV cache with CUDA graphs on a GPU
 (`node.engines.slot_decode`). Both use the
 seeded sampling of `verifier.sampling`, stop on EOS / stop strings / max_tokens, and keep
@@ -50,6 +50,9 @@ class TorchEngine(InferenceEngine):
         self.pad_id = self.tokenizer.pad_token_id
         if self.pad_id is None:
             self.pad_id = next(iter(self.eos_token_ids), 0)
+        self.decode = config.decode
+        if self.decode == "auto":
+            self.decode = "slots" if self.device.type == "cuda" else "loop"
         self.lock = threading.Lock()
         self._slots: SlotDecoder | None = None  # built on first use (it allocates the KV cache)
         self.weights_version = 0
@@ -130,7 +133,7 @@ class TorchEngine(InferenceEngine):
         these requests (alternatives per position are only reported by the loop)."""
         cfg = self.config
         if (
-            cfg.decode == "loop"
+            self.decode == "loop"
             or not supports(self.model)
             or any(r.top_logprobs for r in requests)
         ):

@@ -26,7 +26,12 @@ Strategies:
   the generator's most likely token other than the sampled one (and other than EOS); the
   rest of the completion, the proof and the other logprobs are kept as generated, the
   claimed logprob of token k is the generator's logprob of the new token
-  (variant "replace_keep_rest").
+  (variant "replace_keep_rest");
+- launder_noise_1e-3, launder_int8, launder_int4, launder_fp8: the launder family
+  (`tests.adversaries.launder`, issue 27): tokens from that cheaper model, every claim
+  (logprobs, proof rows) from one batched prefill of the real one;
+- near_tie: the real model's tokens except where its best two seeded scores are within
+  0.5, where it takes the runner-up (`tests.adversaries.NearTie`), claims as launder.
 
 Outputs: rich tables, PREFIX.json (PREFIX.json.gz with `--gzip`; env, args, per-strategy
 summaries, every rollout's raw lists) and PREFIX.png (histograms of the per-rollout mean |logprob error|, log-x).
@@ -85,6 +90,11 @@ ALL_STRATEGIES = [
     "temp_0.8",
     "top_p_0.9",
     "steered",
+    "launder_noise_1e-3",
+    "launder_int8",
+    "launder_int4",
+    "launder_fp8",
+    "near_tie",
     "honest_b",  # last: a run cut short by --deadline-s still has every strategy
 ]
 STEERED_VARIANT = "replace_keep_rest"
@@ -172,7 +182,13 @@ def generate_strategy(name, engine, cheat, n, args, progress, deadline):
             )
             for i, p in enumerate(batch)
         ]
-        results = cheat.generate([GenerationRequest(q.prompt_ids, used, q.seed) for q in reqs])
+        asked = [GenerationRequest(q.prompt_ids, used, q.seed) for q in reqs]
+        if name.startswith(("launder_", "near_tie")):
+            from tests.adversaries import launder
+
+            results = launder(engine, cheat, asked)
+        else:
+            results = cheat.generate(asked)
         for q, g in zip(reqs, results, strict=True):
             m = {}
             if name == "steered" and len(g.completion_ids) >= 2:
@@ -460,6 +476,11 @@ def load_engine(args, tmp: Path) -> TorchEngine:
 
 
 def make_cheat(name: str, engine: TorchEngine) -> TorchEngine:
+    if name == "near_tie":
+        from tests.adversaries import NearTie
+
+        return NearTie(engine, 0.5)
+    name = name.removeprefix("launder_")
     if name in ("int8", "int4", "fp8"):
         return quantized_engine(engine, name)
     if name.startswith("noise_"):
@@ -483,7 +504,7 @@ def main(argv=None) -> int:
     add("--strategies", default=",".join(ALL_STRATEGIES))
     add("--seed", type=int, default=0)
     add("--judge", default=str(SHIPPED_TOML), help="the thresholds of 'rej shipped'")
-    add("--decode", default="loop", choices=["slots", "loop"], help="EngineConfig.decode")
+    add("--decode", default="auto", choices=["auto", "slots", "loop"], help="EngineConfig.decode")
     add("--deadline-s", type=float, default=0, help="stop generating after this many seconds")
     add("--out", help="output prefix (default tests/bench/results/trust_stats_<device>_<model>)")
     add("--quick", action="store_true", help="smoke mode: a handful of short rollouts")
