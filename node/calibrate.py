@@ -169,8 +169,13 @@ def _calibrate(cfg, vcfg, generator, verifier, console: Console) -> None:
             f"[yellow]{cfg.rollouts} rollouts fit the tail at {cfg.target_rate:g} poorly; "
             f"use --rollouts {MIN_ROLLOUTS_FOR_TAIL} or more for thresholds a pool ships[/yellow]"
         )
-    gen_mix = engine_mix(generator, cfg.generator.kind)
-    ver_mix = engine_mix(verifier, vcfg.kind)
+    # A fit to the loop decode's noise holds for the slot decode too (its errors are
+    # smaller): such a mix covers either decode. A fit to the slot decode's may be exact,
+    # and then holds for it alone.
+    gen_mix, ver_mix = (
+        m if m.decode == "slots" else m.model_copy(update={"decode": None})
+        for m in (engine_mix(generator, cfg.generator.kind), engine_mix(verifier, vcfg.kind))
+    )
     both_ways = verifier is not generator
     prompts = calibration_prompts(generator.tokenizer, cfg.rollouts, cfg.seed)
     # (generating engine, verifying engine, first rollout, last rollout + 1, label)

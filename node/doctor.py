@@ -204,7 +204,7 @@ def _engine_checks(cfg: JoinConfig, pool: PoolConfig) -> tuple[list[Check], int]
         )
     ]
     covered = pool.verification.engine_mixes
-    if mix in covered:
+    if mix.covered_by(covered):
         checks.append(Check("calibration", "pass", f"the pool's thresholds cover {mix.label()}"))
     else:
         checks.append(

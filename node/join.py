@@ -295,13 +295,14 @@ class PoolNode:
         engine = await asyncio.to_thread(load_engine, engine_cfg)
         self.mix = engine_mix(engine, engine_cfg.kind)
         covered = pool.verification.engine_mixes
-        if self.mix not in covered:
+        if not self.mix.covered_by(covered):
             engine.close()
             raise JoinError(
                 f"pool {pool.pool_id!r} verifies with thresholds calibrated for "
                 f"{', '.join(m.label() for m in covered) or 'no engine mix'}; this node would "
                 f"generate on {self.mix.label()}: pass --engine.dtype / --engine.device / "
-                "--engine.kind to match one, or ask the pool owner to calibrate this mix"
+                "--engine.kind (/ --engine.decode) to match one, or ask the pool owner to "
+                "calibrate this mix"
             )
         self.server = assemble(
             engine,
@@ -362,6 +363,7 @@ class PoolNode:
                 engine=self.mix.engine,
                 dtype=self.mix.dtype,
                 device=self.mix.device,
+                decode=self.mix.decode,
                 weights_version=engine.weights_version,
                 weights_hash=engine.weights_hash,
                 capacity=min(cfg.server.max_concurrent_requests, MAX_CAPACITY),

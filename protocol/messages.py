@@ -360,6 +360,8 @@ class RegisterRequest(Message):
     """Compute dtype of the node's engine."""
     device: Literal["cpu", "cuda"] = "cpu"
     """Device kind of the node's engine."""
+    decode: Literal["loop", "slots"] | None = None
+    """The torch engine's decode (None: another engine, or a node that does not say)."""
     model: str = Field("", max_length=512)
     """Model the node serves (must be the pool's)."""
     weights_version: int = Field(0, ge=0)
@@ -510,9 +512,23 @@ class EngineMix(Message):
     """Its compute dtype."""
     device: Literal["cpu", "cuda"]
     """Its device kind."""
+    decode: Literal["loop", "slots"] | None = None
+    """The torch engine's decode (`EngineConfig.decode`, resolved). In a pool's list, None
+    covers either: thresholds fitted to the loop decode's noise hold for the slot decode's
+    smaller errors. An exact tier's thresholds hold for the slot decode only, and its
+    file names it (a loop-decode node would be rejected for its honest noise)."""
 
     def label(self) -> str:
-        return f"{self.engine}/{self.dtype}/{self.device}"
+        base = f"{self.engine}/{self.dtype}/{self.device}"
+        return base if self.decode is None else f"{base}/{self.decode}"
+
+    def covered_by(self, mixes: list[EngineMix]) -> bool:
+        """Whether thresholds calibrated for `mixes` hold for a node generating with this."""
+        return any(
+            (m.engine, m.dtype, m.device) == (self.engine, self.dtype, self.device)
+            and m.decode in (None, self.decode)
+            for m in mixes
+        )
 
 
 class EvidencePolicy(Message):

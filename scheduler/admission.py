@@ -47,9 +47,9 @@ async def admit(
         raise Refused(404, f"this scheduler runs pool {cfg.pool_id!r}, not {req.pool_id!r}")
     if req.model and req.model != cfg.model:
         raise Refused(400, f"pool {cfg.pool_id!r} trains model {cfg.model!r}, not {req.model!r}")
-    mix = EngineMix(engine=req.engine, dtype=req.dtype, device=req.device)
+    mix = EngineMix(engine=req.engine, dtype=req.dtype, device=req.device, decode=req.decode)
     covered = cfg.verification.engine_mixes
-    if mix not in covered:
+    if not mix.covered_by(covered):
         raise Refused(
             403,
             f"pool {cfg.pool_id!r}'s verification thresholds were calibrated for "

@@ -29,7 +29,8 @@ def create_engine(config) -> InferenceEngine:  # config: node.config.EngineConfi
 
 
 def engine_mix(engine, kind: str) -> EngineMix:
-    """The (engine, dtype, device kind) a loaded engine generates with."""
+    """The (engine, dtype, device kind, decode) a loaded engine generates with."""
     dtype = str(getattr(engine, "dtype", "torch.float32")).removeprefix("torch.")
     device = str(getattr(engine, "device", "cpu")).split(":")[0]
-    return EngineMix(engine=kind, dtype=dtype, device=device)
+    decode = getattr(engine, "decode", None) if kind == "torch" else None
+    return EngineMix(engine=kind, dtype=dtype, device=device, decode=decode)

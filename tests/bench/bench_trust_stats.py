@@ -107,6 +107,7 @@ def _copy_engine(engine: TorchEngine) -> TorchEngine:
     bad.model = copy.deepcopy(engine.model)
     bad.base = bad.model.get_decoder()
     bad.lm_head = bad.model.get_output_embeddings()
+    bad._slots = None  # the real engine's slot decoder runs the real model: one of its own
     return bad
 
 

@@ -362,6 +362,32 @@ def test_a_node_of_an_engine_mix_the_thresholds_do_not_cover_is_refused(tmp_path
         pool.close()
 
 
+def test_an_exact_tier_pool_admits_only_the_decode_its_thresholds_hold_for(tmp_path):
+    """An exact tier's thresholds (no honest token off the replay) name the slot decode:
+    a node that says it decodes with the loop (whose honest noise they would reject) is
+    refused with what to do, a slot-decode node is admitted. A pool whose mix names no
+    decode admits both (the test above)."""
+    from protocol.messages import EngineMix
+    from tests.pools import tiny_verification
+
+    exact = EngineMix(engine="torch", dtype="float32", device="cpu", decode="slots")
+    policy = tiny_verification().model_copy(update={"engine_mixes": [exact]})
+    pool = make_pool(tmp_path, verification=policy)
+    try:
+        pool.start_scheduler()
+        url = f"{pool.url}/v1/nodes/register"
+        loop = RegisterRequest(pool_id="test", model="tiny", decode="loop")
+        resp = post(url, seal(Identity.generate(), loop))
+        assert resp.status_code == 403
+        assert "calibrated for torch/float32/cpu/slots, not torch/float32/cpu/loop" in error_of(
+            resp
+        )
+        slots = loop.model_copy(update={"decode": "slots"})
+        assert post(url, seal(Identity.generate(), slots)).status_code == 200
+    finally:
+        pool.close()
+
+
 def test_new_node_keys_from_one_address_are_capped_per_minute(tmp_path):
     """Identities are free: one address registers at most
     `rate_limits.new_nodes_per_address_per_min` keys the scheduler does not know (429 with
