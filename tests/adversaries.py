@@ -524,27 +524,22 @@ class NearTie:
     @torch.inference_mode()
     def generate(self, requests: list[GenerationRequest]) -> list[GenerationResult]:
         from node.engines.common import StopWatcher
-        from verifier.noise import gumbel_noise
-        from verifier.sampling import RowParams, param_tensors, support_mask
+        from verifier.sampling import RowParams, seeded_scores
 
-        real, vocab = self.real, self.real.vocab_size
+        real = self.real
         ids: list[list[int]] = [[] for _ in requests]
         finish: list[str | None] = [None] * len(requests)
         stops = [StopWatcher(real.tokenizer, q.sampling.stop) for q in requests]
         while live := [i for i, f in enumerate(finish) if f is None]:
             # The last row of a prefill over (prompt, ids + [any]) predicts the next token.
             pre = real.prefill([(requests[i].prompt_ids, [*ids[i], real.pad_id]) for i in live])
-            logits = torch.stack([p.logits[-1] for p in pre]).float()
-            asked = [requests[i].sampling for i in live]
-            params = [RowParams(s.temperature, s.top_k, s.top_p) for s in asked]
-            t, k, p = param_tensors(params, vocab, logits.device)
-            scaled = logits / t[:, None]
-            mask = support_mask(scaled, k, p)
-            scores = scaled if mask is None else scaled.masked_fill(~mask, float("-inf"))
-            seeds = [requests[i].seed for i in live]
-            noise = gumbel_noise(seeds, [len(ids[i]) for i in live], vocab, logits.device)
-            hot = torch.tensor([s.temperature > 0 for s in asked], device=logits.device)
-            top = (scores + noise * hot[:, None]).topk(2, dim=-1)
+            logits = torch.stack([p.logits[-1] for p in pre])
+            params = [
+                RowParams(s.temperature, s.top_k, s.top_p)
+                for s in (requests[i].sampling for i in live)
+            ]
+            seeds, positions = [requests[i].seed for i in live], [len(ids[i]) for i in live]
+            top = seeded_scores(logits, params, seeds, positions)[1].topk(2, dim=-1)
             close = (top.values[:, 0] - top.values[:, 1]) < self.margin  # inf gap: never
             picks = torch.where(close, top.indices[:, 1], top.indices[:, 0]).tolist()
             for i, tok in zip(live, picks, strict=True):

@@ -276,14 +276,14 @@ def propose_evidence(verdict_checks: list[list[CheckResult]], **settings) -> Evi
     fitted = fit_noise(scores, **settings)
     floor = max(MIN_EVIDENCE_SD, 0.1 * fitted.mu)
     update: dict = {"between": round(max(fitted.between, floor), 6)}
-    # The replay test's honest rate, where the verdicts counted tokens off the seeded choice.
-    counts = [
-        (c.metrics["off_replay_tokens"], c.metrics.get("tokens"))
-        for checks in verdict_checks
-        for c in checks
-        if c.name == "sampling" and "off_replay_tokens" in c.metrics
+    # The replay test's honest rate, over the verdicts that counted tokens off the seeded
+    # choice: their count over their own tokens.
+    counted = [
+        (m["sampling"]["off_replay_tokens"], m["logprobs"]["tokens"])
+        for m in ({c.name: c.metrics for c in checks} for checks in verdict_checks)
+        if "off_replay_tokens" in m.get("sampling", {}) and "tokens" in m.get("logprobs", {})
     ]
-    tokens = sum(n for _, n in scores)
-    if counts and tokens and "off_replay" not in settings:
-        update["off_replay"] = sum(k for k, _ in counts) / tokens
+    tokens = sum(n for _, n in counted)
+    if tokens and "off_replay" not in settings:
+        update["off_replay"] = sum(k for k, _ in counted) / tokens
     return fitted.model_copy(update=update)

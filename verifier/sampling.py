@@ -6,7 +6,8 @@ from a counter-based hash of (request seed, completion position, vocabulary inde
 and because the noise depends only on the seed and the position, a verifier that has its
 own logits recomputes the choice of every token (section 10 of DESIGN.md).
 
-Owns the sampler (`sample`, `BatchSampler`), the support masks and the replay. The noise
+Owns the sampler (`sample`, `BatchSampler`, and the scores they take the argmax of:
+`seeded_scores`), the support masks and the replay. The noise
 itself is `verifier.noise`'s; the fused replay pass is `verifier.fused_sampling`'s.
 
 Invariants:
@@ -170,17 +171,41 @@ class BatchSampler:
         return _choose(scaled, mask, noise, self.stochastic)
 
 
-def sample(
+def seeded_scores(
     logits: torch.Tensor, params: list[RowParams], seeds: list[int], positions: list[int]
-) -> SampleOutput:
-    """Choose one token per row of `logits` [B, V] (any dtype; computed in float32)."""
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(scaled logits, scores) of rows of `logits` [B, V] (any dtype; float32 out): the
+    scores are the filtered scaled logits plus the seeded noise on stochastic rows, and
+    the sampler's choice is their argmax."""
     logits = logits.float()
     vocab = logits.shape[-1]
     t, k, p = param_tensors(params, vocab, logits.device)
     scaled = logits / t[:, None]
     stochastic = torch.tensor([x.temperature > 0 for x in params], device=logits.device)
     noise = gumbel_noise(seeds, positions, vocab, logits.device) if bool(stochastic.any()) else None
-    return _choose(scaled, support_mask(scaled, k, p), noise, stochastic)
+    return scaled, _scores(scaled, support_mask(scaled, k, p), noise, stochastic)
+
+
+def sample(
+    logits: torch.Tensor, params: list[RowParams], seeds: list[int], positions: list[int]
+) -> SampleOutput:
+    """Choose one token per row of `logits` [B, V] (any dtype; computed in float32)."""
+    scaled, scores = seeded_scores(logits, params, seeds, positions)
+    tokens = scores.argmax(dim=-1)
+    return SampleOutput(tokens, token_logprobs(scaled, tokens[:, None]))
+
+
+def _scores(
+    scaled: torch.Tensor,
+    mask: torch.Tensor | None,
+    noise: torch.Tensor | None,
+    stochastic: torch.Tensor,
+) -> torch.Tensor:
+    """The filtered scaled logits, plus the noise on stochastic (T > 0) rows."""
+    scores = scaled if mask is None else scaled.masked_fill(~mask, float("-inf"))
+    if noise is not None:
+        scores = scores + noise * stochastic[:, None]
+    return scores
 
 
 def _choose(
@@ -189,11 +214,8 @@ def _choose(
     noise: torch.Tensor | None,
     stochastic: torch.Tensor,
 ) -> SampleOutput:
-    """argmax of the filtered scaled logits, plus the noise on stochastic (T > 0) rows."""
-    scores = scaled if mask is None else scaled.masked_fill(~mask, float("-inf"))
-    if noise is not None:
-        scores = scores + noise * stochastic[:, None]
-    tokens = scores.argmax(dim=-1)
+    """argmax of `_scores`, with its logprob under the scaled logits."""
+    tokens = _scores(scaled, mask, noise, stochastic).argmax(dim=-1)
     return SampleOutput(tokens, token_logprobs(scaled, tokens[:, None]))
 
 

@@ -31,7 +31,7 @@ Strategies:
   (`tests.adversaries.launder`, issue 27): tokens from that cheaper model, every claim
   (logprobs, proof rows) from one batched prefill of the real one;
 - near_tie: the real model's tokens except where its best two seeded scores are within
-  0.5, where it takes the runner-up (`tests.adversaries.NearTie`), claims as launder.
+  `tests.adversaries.NEAR_TIE_MARGIN` (0.5), where it takes the runner-up (`tests.adversaries.NearTie`), claims as launder.
 
 Outputs: rich tables, PREFIX.json (PREFIX.json.gz with `--gzip`; env, args, per-strategy
 summaries, every rollout's raw lists) and PREFIX.png (histograms of the per-rollout mean |logprob error|, log-x).
@@ -478,9 +478,9 @@ def load_engine(args, tmp: Path) -> TorchEngine:
 
 def make_cheat(name: str, engine: TorchEngine) -> TorchEngine:
     if name == "near_tie":
-        from tests.adversaries import NearTie
+        from tests.adversaries import NEAR_TIE_MARGIN, NearTie
 
-        return NearTie(engine, 0.5)
+        return NearTie(engine, NEAR_TIE_MARGIN)
     name = name.removeprefix("launder_")
     if name in ("int8", "int4", "fp8"):
         return quantized_engine(engine, name)

@@ -20,6 +20,7 @@ from node.engines.base import GenerationRequest
 from node.worker import make_rollout
 from protocol.messages import ReputationPolicy, RolloutRequest, RolloutSpec, SamplingParams
 from tests.adversaries import (
+    NEAR_TIE_MARGIN,
     NearTie,
     _quantized_engine,
     launder,
@@ -38,7 +39,7 @@ CHEAP = {
     "launder-int8": lambda e: _quantized_engine(e, lambda w: quantize_per_channel(w, 8)),
     "launder-int4": lambda e: _quantized_engine(e, lambda w: quantize_per_channel(w, 4)),
     "launder-fp8": lambda e: _quantized_engine(e, quantize_fp8),
-    "near-tie": lambda e: NearTie(e, 0.5),
+    "near-tie": lambda e: NearTie(e, NEAR_TIE_MARGIN),
 }
 
 
