@@ -75,6 +75,14 @@ class EngineConfig(Section):
     decode_window: int = Field(8, ge=1, le=256)
     """Decode steps between two readbacks of the tokens ('slots' decode): a finished
     rollout is noticed, and its slot refilled, within two windows."""
+    decode_min_rows: int = Field(16, ge=1, le=4096)
+    """On a GPU, the fewest rows a 'slots' decode step runs (free slots ride along): with
+    fewer, cuBLAS picks other GEMM kernels, which sum in another order than the ones a
+    verifier's prefill gets, so a request decoded alone or beside few others was not
+    token-for-token what a verifier recomputes (H100, SmolLM2 bf16: a lone request's
+    per-rollout max logprob error had median 0.09; `tests/bench/pool_path_probe.py`). At
+    16 rows and more the decode and any verifier batch agree (measured up to 256). Not
+    applied on the CPU, whose bf16 kernels differ between shapes at any row count."""
     seed: int = 0
     """Seed of the random initialisation of the bundled 'tiny' model."""
 

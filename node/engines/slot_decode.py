@@ -19,6 +19,9 @@ Invariants:
 - Row k of a result's hidden states is the post-final-norm state that produced completion
   token k (the prompt's last row for k = 0), as in `node.engines.base`.
 - Nothing in a step reads a value back to the host; a readback is the only sync.
+- A step runs over at least `min_rows` slots (a bucket of slots; idle ones ride along),
+  so a lone request goes through the same GEMM kernels as a full batch and as a
+  verifier's prefill.
 - A finished slot's outputs are copied out (device to device) before a new request's
   prefill is enqueued on the same stream, so a joining request never overwrites them.
 - Supports decoder-only models whose layers are Llama-shaped (Llama, Qwen2, Mistral:
@@ -81,6 +84,7 @@ class SlotDecoder:
         eos_ids: frozenset[int],
         window: int = 8,
         graphs: bool | None = None,
+        min_rows: int = 1,
     ):
         self.model = model
         self.base = model.get_decoder()
@@ -119,7 +123,9 @@ class SlotDecoder:
         self.top_p = torch.ones(slots, dtype=torch.float32, device=dev)
         self.stochastic = torch.zeros(slots, dtype=torch.bool, device=dev)
         self.filtering = [False] * slots  # host mirror: does this slot's request filter?
-        self.slot_buckets = _buckets(slots)
+        # A step runs at least `min_rows` rows: the GEMMs of fewer rows sum in another
+        # order than a verifier's prefill (`EngineConfig.decode_min_rows`).
+        self.slot_buckets = [b for b in _buckets(slots) if b >= min(min_rows, slots)]
         self._graphs: dict[tuple[int, int, bool], torch.cuda.CUDAGraph] = {}
         self._pool = None
         self.steps_run = 0

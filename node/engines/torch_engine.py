@@ -149,6 +149,7 @@ class TorchEngine(InferenceEngine):
                 eos_ids=self.eos_token_ids,
                 window=cfg.decode_window,
                 graphs=cfg.cuda_graphs and self.device.type == "cuda",
+                min_rows=cfg.decode_min_rows if self.device.type == "cuda" else 1,
             )
         return self._slots
 

@@ -16,6 +16,8 @@ import torch
 
 from node.config import EngineConfig
 from node.engines.base import GenerationRequest
+from node.engines.common import StopWatcher
+from node.engines.slot_decode import SlotDecoder
 from node.engines.torch_engine import TorchEngine
 from protocol.messages import SamplingParams
 
@@ -131,3 +133,32 @@ def test_a_worker_answers_short_requests_while_a_long_one_runs(engines):
     order = asyncio.run(main())
     assert order[-1] == "r0", order
     assert len(order) == 13
+
+
+def test_idle_slots_riding_along_change_nothing(engines):
+    """On a GPU a step runs at least `decode_min_rows` rows, idle slots riding along (with
+    fewer, cuBLAS sums in another order than a verifier's prefill): a request decoded
+    beside five idle slots gets what it gets in a step of its own."""
+    _, slots = engines
+    reqs = _requests(6, slots.vocab_size, seed=3)
+
+    def decode(min_rows: int):
+        dec = SlotDecoder(
+            slots.model,
+            slots=6,
+            max_len=256,
+            max_new=256,
+            eos_ids=slots.eos_token_ids,
+            window=3,
+            min_rows=min_rows,
+        )
+        stop = lambda r: StopWatcher(slots.tokenizer, r.sampling.stop).hit  # noqa: E731
+        out = [dict(x for g in dec.run(iter([(0, r)]), stop) for x in g)[0] for r in reqs]
+        return dec, out
+
+    alone, expected = decode(1)
+    riding, got = decode(6)
+    assert (alone.slot_buckets[0], riding.slot_buckets) == (1, [6])
+    for x, y in zip(expected, got, strict=True):
+        assert y.completion_ids == x.completion_ids
+        assert torch.allclose(torch.tensor(y.logprobs), torch.tensor(x.logprobs), atol=1e-5)
