@@ -590,11 +590,54 @@ class EvidencePolicy(Message):
         return self.threshold / drift if drift > 0 else math.inf
 
 
+class SpotCheckPolicy(Message):
+    """Per-node verification rates: a node earns fewer checks with a history of accepted
+    rollouts, and what goes unverified is held until the node passes its next check.
+
+    A node's rate is 1 until `full_until` of its rollouts were verified and accepted
+    (`NodeRecord.earned`); then it halves every `halving` more, down to `floor`. A rollout
+    the draw skips is released only once a later verified rollout of the same generator
+    was accepted; if that one is rejected, or none comes within `hold_s`, the skipped
+    rollout is verified itself, and a ban drops it. So a node that turns to cheating on
+    every rollout gets none trained, and one that cheats on some gets, before its first
+    checked cheat, a geometric number of unchecked ones: at most `bound(delta)` with
+    probability 1 - delta (with every cheat rollout checked at `floor`). Worth it where a
+    checked cheat is caught on that rollout: the exact tiers."""
+
+    full_until: int = Field(64, ge=0)
+    """Accepted verified rollouts a node needs before any of its rollouts goes unchecked."""
+    halving: int = Field(64, ge=1)
+    """Past `full_until`, the rate halves with every this many more accepted rollouts."""
+    floor: float = Field(0.1, gt=0, le=1)
+    """The lowest rate: the share of an established node's rollouts that are verified."""
+    hold_s: float = Field(30.0, ge=0)
+    """How long a skipped rollout waits for its generator's next accepted check before it
+    is verified itself (0: skipped rollouts are released at once, nothing held)."""
+
+    def rate(self, earned: int) -> float:
+        """The share of a node's rollouts verified, after `earned` accepted ones (negative:
+        a revoked right being earned back; checked fully)."""
+        if earned < self.full_until:
+            return 1.0
+        return max(self.floor, 0.5 ** ((earned - self.full_until) / self.halving))
+
+    def bound(self, delta: float = 1e-3) -> int:
+        """Unchecked cheat rollouts of a node at `floor` before its first checked one, with
+        probability at least 1 - delta: the least n with (1 - floor)^n <= delta."""
+        if self.floor >= 1.0:
+            return 0
+        return math.ceil(math.log(delta) / math.log(1.0 - self.floor))
+
+
 class VerificationPolicy(Message):
     """How rollouts are checked; thresholds come from `prime-node calibrate`."""
 
     spot_check_rate: float = Field(1.0, ge=0.0, le=1.0)
-    """Fraction of rollouts sent to a second worker (1.0 = all)."""
+    """Fraction of rollouts sent to a second worker (1.0 = all), the same for every node;
+    `spot_checks` sets a rate per node instead."""
+    spot_checks: SpotCheckPolicy | None = None
+    """Per-node rates from each node's history, with skipped rollouts held until the node
+    passes its next check (None: `spot_check_rate` for every node, nothing held)."""
     audit_rate: float = Field(0.0, ge=0.0, le=1.0)
     """Fraction of verified rollouts that need two concurring verdicts: an acceptance (or
     a judge's acceptance overturning a rejection) is re-checked by another worker before
@@ -634,6 +677,16 @@ class VerificationPolicy(Message):
     """Support: slack on the top-p mass when deciding a token was inside the nucleus, and
     the width of a near-tie at the support's edge (tokens within a factor 1 - slack in
     probability count as either side; `verifier.sampling.support_mask`)."""
+
+    @model_validator(mode="after")
+    def check_one_spot_check_rule(self) -> VerificationPolicy:
+        if self.spot_checks is not None and self.spot_check_rate < 1.0:
+            raise ValueError(
+                f"spot_check_rate ({self.spot_check_rate:g}) and spot_checks both set how "
+                "often rollouts are verified: set spot_checks (per node) or "
+                "spot_check_rate (every node), not both"
+            )
+        return self
 
     def logprob_mean_limit(self, tokens: int) -> float:
         """The largest mean |logprob error| accepted over a completion of `tokens` tokens.

@@ -31,11 +31,14 @@ benched). A client's call (source "openai") that no healthy node can take any mo
 released as failed at once (503 with Retry-After at the front), not after
 `openai_timeout_s`.
 
-Spot checks (`VerificationPolicy.spot_check_rate`): a rollout is verified with that
-probability; one that is not is released as accepted, "unverified (spot check)", through
-the same release as every other (it waits for its generator's settlement and is never
-released from a banned generator). The draws (spot check, audit) come from the `rng`
-given to the constructor, so a test can seed them.
+Spot checks (`scheduler.spot_checks`): a rollout is verified with the pool's rate
+(`VerificationPolicy.spot_check_rate`) or its generator's own (`spot_checks`: a rate that
+falls with the node's accepted history); one that is not is released as accepted,
+"unverified (spot check)", through the same release as every other (it waits for its
+generator's settlement and is never released from a banned generator). Under per-node
+rates it is first held until a later verified rollout of its generator was accepted; if
+that one is rejected or none comes in time, it is verified itself. The draws (spot check,
+audit) come from the `rng` given to the constructor, so a test can seed them.
 
 Audit (`VerificationPolicy.audit_rate`): with that probability a rollout is released as
 accepted only when two verifiers accepted it, and a generator is punished only when two
@@ -68,7 +71,8 @@ Invariants:
   release is written, and the database refuses a second result for a request id.
 - Nothing is released from a banned generator, nothing of a flagged generator before its
   recheck settled, and nothing unverified unless the pool's spot-check rate says so; on
-  every path (verified or spot-checked), as a `Release` carries its generator. Nothing is
+  every path (verified or spot-checked), as a `Release` carries its generator; under
+  per-node rates, nothing unverified before its generator's next check was accepted. Nothing is
   released before its audit (when drawn) returned, and a rollout a recent checker
   (`Registry.is_recent`) accepted is always audited by an established one.
 - Every verdict received is written to the audit table with the generator's signed
@@ -106,6 +110,7 @@ from scheduler.pool import SignedPool
 from scheduler.registry import Registry
 from scheduler.results import AlreadyReleased
 from scheduler.sanctions import Sanctions
+from scheduler.spot_checks import SpotChecks
 from scheduler.store import Store
 from scheduler.verification import (
     ASK_ORDER,
@@ -168,6 +173,7 @@ class Dispatcher:
         # Spot-check and audit draws. Who verifies is what a generator must not predict
         # (`Registry.pick_verifier` uses the OS's randomness); these only need to be fair.
         self.rng = rng or random.Random()
+        self.spot = SpotChecks(pool.config.verification, self.rng)
         self.jobs = JobTable(cfg.max_queued)
         watch = CheckerWatch(pool.config.checkers) if registry.earn_after else None
         self.sanctions = Sanctions(registry, store, metrics, calls.gone, watch)
@@ -456,11 +462,15 @@ class Dispatcher:
         """Run the verification protocol (`next_step` decides) over real nodes, then apply
         its decision; or, when the spot check skips this rollout, release it unverified."""
         verification = self.pool.config.verification
-        if self.rng.random() >= verification.spot_check_rate:
-            await self._release(Release(job, made, detail="unverified (spot check)"))
-            return
-        audited = self.rng.random() < verification.audit_rate
         gen = made.gen
+        if self.spot.skip(gen):
+            if await self.spot.hold(gen):
+                await self._release(Release(job, made, detail="unverified (spot check)"))
+                return
+            if gen.state == "banned":  # what a ban must drop: nothing of it is verified
+                self._elsewhere(job, gen, f"{gen.label} was banned")
+                return
+        audited = self.rng.random() < verification.audit_rate
         nodes: dict[Role, NodeRecord] = {"generator": gen}
         judged: list[Judged] = []
         while True:
@@ -482,6 +492,7 @@ class Dispatcher:
             # A recent checker's word is never enough alone: an established one audits it.
             audited = audited or self.registry.is_recent(answer.node, time.time())
         self._apply(step, nodes)
+        self.spot.checked(gen, step.released)
         if step.released:
             await self._release(Release(job, made, tuple(j.envelope for j in judged)))
         else:

@@ -532,6 +532,8 @@ class SchedulerServer:
                     "verified": n.verified,
                     "accepted": n.accepted,
                     "rejected": n.rejected,
+                    # the share of its rollouts verified (`scheduler.spot_checks`)
+                    "verification_rate": round(self.dispatcher.spot.rate(n), 4),
                     "last_seen_s": round(now - n.last_seen, 1),
                 }
                 for n in sorted(self.registry.nodes.values(), key=lambda n: n.registered_at)

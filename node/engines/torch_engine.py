@@ -91,6 +91,8 @@ class TorchEngine(InferenceEngine):
     # -- generation ----------------------------------------------------------------
     @torch.inference_mode()
     def generate(self, requests: list[GenerationRequest]) -> list[GenerationResult]:
+        if not requests:
+            return []
         with self.lock:
             slots = self._slot_decoder(requests)
             if slots is None:

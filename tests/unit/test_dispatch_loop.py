@@ -38,6 +38,7 @@ from protocol.messages import (
     RolloutRequest,
     RolloutSpec,
     SamplingParams,
+    SpotCheckPolicy,
     Verdict,
     VerificationPolicy,
     VerifyRequest,
@@ -254,6 +255,7 @@ async def make_pool(
     earn_after: int = 0,
     founders: int = 0,
     watch: dict | None = None,
+    spot_checks: SpotCheckPolicy | None = None,
 ) -> Pool:
     """A started dispatcher over fake nodes of `kinds` (`records`: per-node record fields);
     with `earn_after`, the first `founders` nodes check from the start, the others earn it."""
@@ -263,7 +265,10 @@ async def make_pool(
         model="tiny",
         trainer_public_key=Identity.generate().public_key,
         verification=VerificationPolicy(
-            spot_check_rate=spot_check_rate, audit_rate=audit_rate, evidence=EVIDENCE
+            spot_check_rate=spot_check_rate,
+            audit_rate=audit_rate,
+            evidence=EVIDENCE,
+            spot_checks=spot_checks,
         ),
         reputation=reputation or ReputationPolicy(),
         checkers=CheckerPolicy(
@@ -787,5 +792,63 @@ async def test_recent_identities_that_accept_everything_cannot_launder_a_cheat(t
             assert await cheat_released()  # the attack: accomplices vouched for it
             return
         assert not await cheat_released() and cheat.state == "banned"
+    finally:
+        await pool.close()
+
+
+# -- per-node spot checks ---------------------------------------------------------------
+# Every rollout of a node is checked until 4 were accepted, then half, then a quarter.
+SPOT = SpotCheckPolicy(full_until=4, halving=1, floor=0.25, hold_s=1.0)
+
+
+@pytest.mark.parametrize("hold_s", [1.0, 0.0])
+async def test_a_node_that_turns_once_its_checks_are_rare_gets_nothing_trained(tmp_path, hold_s):
+    """Per-node spot checks: four nodes earn their way down to a quarter of their rollouts
+    checked; then one turns to cheating on every rollout, and a burst of its rollouts
+    arrives at once. With the hold, its skipped rollouts wait for its next check, which
+    bans it: none is released, and every request is served by the honest nodes. Without
+    the hold (the control), the skipped ones are released before the ban."""
+    ban_at_once = ReputationPolicy(penalty_lost_dispute=1.0, ban_below=0.5)
+    policy = SPOT.model_copy(update={"hold_s": hold_s})
+    pool = await make_pool(
+        tmp_path,
+        [HONEST] * 4,
+        reputation=ban_at_once,
+        records=[{"capacity": 16}] * 4,
+        spot_checks=policy,
+    )
+    try:
+        d, calls = pool.dispatcher, pool.calls
+        sid = pool.id_of(3)
+        records = [n.record for n in pool.nodes.values()]
+        sent = 0
+        while min(d.spot.rate(r) for r in records) > SPOT.floor:
+            assert sent < 400, [r.earned for r in records]
+            await d.submit(specs(20, first=sent))
+            sent += 20
+            await until(lambda n=sent: released(d) == n)
+        before = await pool.results()
+        checked = sum(r.detail != "unverified (spot check)" for r in before)
+        assert 4 * SPOT.full_until <= checked < sent  # checked fully first, then not all
+        me = pool.nodes[sid]
+        me.kind, me.hold = CHEAT, True
+        await d.submit(specs(40, first=sent))
+        # Its generations are held until everything else of the 40 was released.
+        await until(lambda: me.held and released(d) == sent + 40 - len(me.held))
+        burst = calls.answer(sid)
+        assert burst >= 8, burst
+        await until(lambda: released(d) == sent + 40)
+        await asyncio.sleep(GRACE_S)
+        after = [r for r in await pool.results() if int(r.request_id[1:]) >= sent]
+        assert me.record.state == "banned"
+        assert all(r.status == "accepted" for r in after)
+        from_cheat = sum(r.generator_id == sid for r in after)
+        if hold_s:
+            assert from_cheat == 0, "a skipped rollout of the cheat was released"
+            assert d.spot.held(me.record) == 0
+        else:
+            assert from_cheat > 0  # the control: what the hold prevents
+        for r in records[:3]:
+            assert r.reputation == 1.0 and r.state == "healthy"  # no honest node lost
     finally:
         await pool.close()
