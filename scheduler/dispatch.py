@@ -461,16 +461,29 @@ class Dispatcher:
     async def _verify(self, job: Job, made: Generated, request: RolloutRequest) -> None:
         """Run the verification protocol (`next_step` decides) over real nodes, then apply
         its decision; or, when the spot check skips this rollout, release it unverified."""
-        verification = self.pool.config.verification
         gen = made.gen
         if self.spot.skip(gen):
-            if await self.spot.hold(gen):
+            gen.unsettled -= 1  # held, not worked on: it takes none of the node's slots
+            try:
+                release = await self.spot.hold(gen)
+            finally:
+                gen.unsettled += 1
+            if release:
                 await self._release(Release(job, made, detail="unverified (spot check)"))
                 return
             if gen.state == "banned":  # what a ban must drop: nothing of it is verified
                 self._elsewhere(job, gen, f"{gen.label} was banned")
                 return
-        audited = self.rng.random() < verification.audit_rate
+        self.spot.started(gen)
+        try:
+            await self._check(job, made, request)
+        finally:
+            self.spot.ended(gen)
+
+    async def _check(self, job: Job, made: Generated, request: RolloutRequest) -> None:
+        """The verification protocol over real nodes, and its decision applied."""
+        gen = made.gen
+        audited = self.rng.random() < self.pool.config.verification.audit_rate
         nodes: dict[Role, NodeRecord] = {"generator": gen}
         judged: list[Judged] = []
         while True:

@@ -10,7 +10,8 @@ Invariants (who writes which field, so each has one writer):
 - The work counters `generated`, `tokens`, `first_work`, `verified`, `accepted` and
   `rejected`: only `scheduler.store.Store` (it records generations and verdicts);
   `unsettled`: only the dispatch loop (`scheduler.dispatch`), while a rollout of the
-  node waits for its verdict and release.
+  node waits for its verdict and release (not while a spot check holds it: held
+  rollouts take none of the node's slots).
 This module imports nothing of the scheduler, so every module may import it.
 """
 

@@ -6,14 +6,17 @@ its generator passes a later check.
 generator's own rate (`SpotCheckPolicy.rate` of its accepted history, `NodeRecord.earned`).
 Under a per-node policy a skipped rollout waits in `hold` until `checked` reports the
 generator's next settled verification: accepted, and the held rollouts are released;
-rejected, and each is verified itself. The dispatch loop is the one caller of all three.
+rejected, and each is verified itself. A hold never waits for a check that is not coming:
+when no rollout of the generator is being verified (`started` .. `ended`) and it has no
+call under way, the held rollout is verified at once and vouches for the others (so the
+tail of a batch is not held `hold_s`). The dispatch loop is the one caller.
 
 Invariants:
 - Under a per-node policy with `hold_s` > 0, an unverified rollout is released only after a
   verified rollout of the same generator, settled after it was held, was accepted.
-- A hold that ends without that answer (a rejected check, the generator banned, or
-  `hold_s` passed with no verdict: a node that went quiet) ends in `False`: the caller
-  verifies the rollout instead, or drops it if its generator is banned.
+- A hold that ends without that answer (a rejected check, the generator banned, no check
+  of it under way, or `hold_s` passed) ends in `False`: the caller verifies the rollout
+  instead, or drops it if its generator is banned.
 - The draws come from the `rng` given, so a test can seed them.
 """
 
@@ -22,11 +25,12 @@ from __future__ import annotations
 import asyncio
 import random
 import time
+from collections import Counter
 
 from protocol.messages import VerificationPolicy
 from scheduler.node_record import NodeRecord
 
-POLL_S = 0.5  # how often a hold looks whether its generator was banned meanwhile
+POLL_S = 0.05  # how often a hold looks whether a check of its generator is still coming
 
 
 class SpotChecks:
@@ -34,6 +38,7 @@ class SpotChecks:
         self.policy = policy
         self.rng = rng
         self._held: dict[str, list[asyncio.Future[bool]]] = {}
+        self._checking: Counter[str] = Counter()  # node id -> its rollouts being verified
 
     def rate(self, gen: NodeRecord) -> float:
         """The share of `gen`'s rollouts that are verified."""
@@ -62,6 +67,8 @@ class SpotChecks:
                 left = deadline - time.monotonic()
                 if left <= 0 or gen.state == "banned":
                     return False
+                if not self._checking[gen.node_id] and not gen.in_flight:
+                    return False  # no check of it is coming: this one is it
                 try:
                     return await asyncio.wait_for(asyncio.shield(fut), min(POLL_S, left))
                 except TimeoutError:
@@ -72,6 +79,15 @@ class SpotChecks:
                 waiting.remove(fut)
             if not waiting:
                 self._held.pop(gen.node_id, None)
+
+    def started(self, gen: NodeRecord) -> None:
+        """A rollout of `gen` is being verified (until `ended`)."""
+        self._checking[gen.node_id] += 1
+
+    def ended(self, gen: NodeRecord) -> None:
+        self._checking[gen.node_id] -= 1
+        if self._checking[gen.node_id] <= 0:
+            del self._checking[gen.node_id]
 
     def checked(self, gen: NodeRecord, accepted: bool) -> None:
         """A verified rollout of `gen` was settled: its held rollouts are released

@@ -797,17 +797,20 @@ async def test_recent_identities_that_accept_everything_cannot_launder_a_cheat(t
 
 
 # -- per-node spot checks ---------------------------------------------------------------
-# Every rollout of a node is checked until 4 were accepted, then half, then a quarter.
-SPOT = SpotCheckPolicy(full_until=4, halving=1, floor=0.25, hold_s=1.0)
+# Every rollout of a node is checked until 4 were accepted, then half, then a quarter. A
+# hold of 30 s: the tail of each round must not wait for it (`until` gives up after 20 s).
+SPOT = SpotCheckPolicy(full_until=4, halving=1, floor=0.25, hold_s=30.0)
 
 
-@pytest.mark.parametrize("hold_s", [1.0, 0.0])
+@pytest.mark.parametrize("hold_s", [30.0, 0.0])
 async def test_a_node_that_turns_once_its_checks_are_rare_gets_nothing_trained(tmp_path, hold_s):
     """Per-node spot checks: four nodes earn their way down to a quarter of their rollouts
     checked; then one turns to cheating on every rollout, and a burst of its rollouts
     arrives at once. With the hold, its skipped rollouts wait for its next check, which
     bans it: none is released, and every request is served by the honest nodes. Without
-    the hold (the control), the skipped ones are released before the ban."""
+    the hold (the control), the skipped ones are released before the ban. A round's last
+    rollouts are not held for `hold_s` when no check of their node is coming: one of
+    them is checked at once and vouches for the rest."""
     ban_at_once = ReputationPolicy(penalty_lost_dispute=1.0, ban_below=0.5)
     policy = SPOT.model_copy(update={"hold_s": hold_s})
     pool = await make_pool(
