@@ -38,10 +38,12 @@ from node.worker import make_rollout
 from protocol.messages import CheckResult, RolloutRequest, SamplingParams
 from verifier.calibration import (
     collect,
+    exactness,
     honest_rate,
     permissive_policy,
     propose,
     propose_evidence,
+    propose_exact,
     summarize,
     threshold,
 )
@@ -199,6 +201,9 @@ def _calibrate(cfg, vcfg, generator, verifier, console: Console) -> None:
     proposed = proposed.model_copy(
         update={"evidence": propose_evidence(checks), "engine_mixes": mixes}
     )
+    exact = exactness(checks)
+    if exact.exact:  # one token off the seeded choice rejects a rollout
+        proposed = propose_exact(stats, proposed)
     title = " and ".join(name for name, _ in per_direction)
     table = Table(title=f"honest errors over {len(checks)} rollouts ({title})")
     for col in ("metric", "median", "p99", "max", "threshold", "honest rejected (fit)"):
@@ -214,6 +219,7 @@ def _calibrate(cfg, vcfg, generator, verifier, console: Console) -> None:
             f"{honest_rate(s, proposed):.2g}",
         )
     console.print(table)
+    console.print(f"the engine mix is {exact.describe()}")
     if both_ways:
         lines = [
             f"# prime-node calibrate: both directions of a mixed pool, model {cfg.generator.model}: "
@@ -233,6 +239,8 @@ def _calibrate(cfg, vcfg, generator, verifier, console: Console) -> None:
         f"{cfg.temperature}, generated in batches of 1 to {cfg.batch_size}, verified in shuffled "
         f"batches of {cfg.verify_batch_size}; target false rejections {cfg.target_rate:g} "
         "per rollout, split between the thresholds (fitted exponential tail).",
+        f"# The mix is {exact.describe()}"
+        + ("; the exact tier's thresholds." if exact.exact else "."),
         "# The honest distribution: metric, median, p99, max, threshold, honest share rejected.",
         *(
             f"#   {s.name}: {s.median:.4g} {s.p99:.4g} {s.maximum:.4g} "

@@ -10,6 +10,11 @@ excess over the 90th percentile is the tail's scale), never below a floor, and c
 where tampering starts (a capped metric then rejects honest rollouts more often than the
 target: `honest_rate` says how often).
 
+Whether the engine mix is exact (`exactness`): at least `EXACT_TOKENS` honest tokens, none
+off the replayed seeded choice and no logprob error above float noise (`EXACT_LOGPROB`);
+for an exact mix `propose_exact` gives the exact tier (`EXACT_TIER`: one token off the
+seeded choice rejects a rollout), never below the worst honest value measured.
+
 Also the per-node evidence model (`propose_evidence`): the honest mean and spread of each
 rollout's clipped mean logprob error, fitted from the same verdicts, and the honest share
 of tokens off the replayed seeded choice (0 on an exact mix).
@@ -212,6 +217,70 @@ def propose_over_regimes(
             proposed.setdefault(field, []).append(getattr(policy, field))
     fields.update({field: max(values) for field, values in proposed.items()})
     return VerificationPolicy(**fields)
+
+
+# What an exact mix shows over at least this many honest tokens (issue 27's definition):
+# no token off the replayed seeded choice, and logprobs equal to a verifier's to float
+# noise (the H100's slot decode: 3.8e-6 over 587,191 tokens; tiny fp32 on a CPU: 4e-6).
+EXACT_TOKENS = 100_000
+EXACT_LOGPROB = 1e-4
+# The exact tier's thresholds (`configs/verification/smollm2-torch-cuda-bf16-exact.toml`).
+EXACT_TIER = {
+    "max_logprob_abs_diff": 1e-3,
+    "max_logprob_mean_abs_diff": 1e-3,
+    "sampling_tolerance": 1e-3,
+    "max_sampling_mismatch_fraction": 0.0,
+}
+
+
+@dataclass
+class Exactness:
+    """What honest verdicts say of a mix's exactness."""
+
+    tokens: int
+    off_replay: int  # tokens off the replayed seeded choice
+    max_logprob_err: float
+
+    @property
+    def exact(self) -> bool:
+        return (
+            self.tokens >= EXACT_TOKENS
+            and self.off_replay == 0
+            and self.max_logprob_err <= EXACT_LOGPROB
+        )
+
+    def describe(self) -> str:
+        seen = (
+            f"{self.tokens:,} honest tokens, {self.off_replay} off the replayed seeded "
+            f"choice, max logprob error {self.max_logprob_err:.3g}"
+        )
+        if self.exact:
+            return f"exact ({seen})"
+        if self.off_replay or self.max_logprob_err > EXACT_LOGPROB:
+            return f"not exact ({seen})"
+        return f"not proven exact ({seen}; it takes {EXACT_TOKENS:,})"
+
+
+def exactness(verdict_checks: list[list[CheckResult]]) -> Exactness:
+    """Tokens, tokens off the replay and the worst logprob error over honest verdicts."""
+    tokens = off = 0
+    worst = 0.0
+    for checks in verdict_checks:
+        by = {c.name: c.metrics for c in checks}
+        lp, sampling = by.get("logprobs", {}), by.get("sampling", {})
+        tokens += int(lp.get("tokens", 0))
+        worst = max(worst, lp.get("max_abs_diff", 0.0))
+        off += int(sampling.get("off_replay_tokens", 0))
+    return Exactness(tokens, off, worst)
+
+
+def propose_exact(stats: list[MetricStats], proposed: VerificationPolicy) -> VerificationPolicy:
+    """`proposed` with the exact tier's replay and logprob thresholds (each at least the
+    worst honest value measured); the proof's stay as fitted."""
+    worst = {_FIELDS[s.name][1]: s.maximum for s in stats}
+    update = {f: _ceil4(max(v, worst.get(f, 0.0))) for f, v in EXACT_TIER.items()}
+    update["max_sampling_mismatch_fraction"] = worst.get("max_sampling_mismatch_fraction", 0.0)
+    return proposed.model_copy(update=update)
 
 
 def _ceil4(x: float) -> float:
