@@ -496,6 +496,22 @@ class LaunderInt4Worker(LaunderInt8Worker):
     bits = 4
 
 
+# `turncoat-launder` generates honestly for this many rollouts (PRIME_TURN_AFTER): long
+# enough, under per-node spot checks, for its checks to have become rare.
+TURN_AFTER = int(os.environ.get("PRIME_TURN_AFTER", "40"))
+
+
+class TurncoatLaunderWorker(LaunderInt4Worker):
+    """Honest until it generated `TURN_AFTER` rollouts, then laundered int4 tokens on every
+    rollout: the cheat that per-node spot checks invite (it earns a low rate first)."""
+
+    def _generate_stream(self, requests, more, deliver):
+        if self.stats["generated"] < TURN_AFTER:
+            # the honest worker's decode (skipping the launder and cheat-engine overrides)
+            return super(_CheatEngineWorker, self)._generate_stream(requests, more, deliver)
+        return super()._generate_stream(requests, more, deliver)
+
+
 class LaunderFp8Worker(_LaunderWorker):
     """Laundered tokens from fp8 e4m3 weights (`Fp8WeightsWorker`'s model)."""
 
@@ -1031,6 +1047,7 @@ DISHONEST_WORKERS = {
     "launder-int4": LaunderInt4Worker,
     "launder-fp8": LaunderFp8Worker,
     "near-tie": NearTieWorker,
+    "turncoat-launder": TurncoatLaunderWorker,  # honest for TURN_AFTER rollouts first
     # verifier cheats (generate honestly)
     "reject-all": RejectAllVerifier,
     "accept-all": AcceptAllVerifier,

@@ -614,6 +614,7 @@ def test_every_kind_is_a_worker_for_the_real_join():
         *LIARS,
         *CHEAPER_COMPUTE,
         *LAUNDER,
+        "turncoat-launder",
         "reject-all",
         "accept-all",
         "corrupt-pieces",

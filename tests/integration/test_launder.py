@@ -27,6 +27,7 @@ from protocol.messages import (
     RolloutRequest,
     RolloutSpec,
     SamplingParams,
+    SpotCheckPolicy,
 )
 from tests.adversaries import (
     NEAR_TIE_MARGIN,
@@ -187,3 +188,69 @@ def pool_tokenizer():
     from verifier.models import load_tokenizer, resolve_model
 
     return load_tokenizer(resolve_model("tiny"))
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(420)
+async def test_a_launderer_that_turns_under_per_node_spot_checks_gets_nothing_trained(
+    tmp_path, report
+):
+    """Per-node spot checks (`VerificationPolicy.spot_checks`: every rollout of a node
+    checked until 8 were accepted, then halving every 4, down to a quarter) in a pool of
+    real processes: three honest workers and `turncoat-launder`, honest for its first 40
+    rollouts (its rate falls with the others'), then laundering int4 tokens on every
+    rollout. Its skipped rollouts are held until its next check, which it fails: it is
+    banned, nothing it laundered is released (what is released of it is token for token
+    an honest engine's), every request is served, and no honest worker loses anything."""
+    spot = SpotCheckPolicy(full_until=8, halving=4, floor=0.25, hold_s=30.0)
+    verification = tiny_verification().model_copy(update={"spot_checks": spot})
+    one_loss_bans = ReputationPolicy(penalty_lost_dispute=0.75)
+    pool = make_pool(tmp_path, verification=verification, reputation=one_loss_bans)
+    try:
+        pool.start_scheduler(*FAST_LIFECYCLE)
+        honest = ["h0", "h1", "h2"]
+        pool.join_many(
+            [*honest, "turncoat"], env={"PRIME_TURN_AFTER": "40"}, turncoat="turncoat-launder"
+        )
+        prompts = random_chat_prompts(pool_tokenizer(), 320, seed=29)
+        specs = [
+            RolloutSpec(request_id=f"r{i}", prompt_ids=p, sampling=SAMPLING)
+            for i, p in enumerate(prompts)
+        ]
+        cheat = pool.node_id("turncoat")
+        results = []
+        async with pool.client() as client:
+            for start in range(0, len(specs), 32):  # rounds, as an orchestrator's steps
+                await client.submit(specs[start : start + 32])
+                after = results[-1].seq if results else 0
+                results += await collect(client, 32, 240, after=after)
+                if pool.node_state(cheat) == "banned":
+                    break
+        assert {r.status for r in results} == {"accepted"}
+        pool.wait_node_state(cheat, "banned", 60)
+        rollouts = [
+            open_envelope(r.rollout_envelope, Rollout, check_expiry=False).message for r in results
+        ]
+        mine = [r for r in rollouts if r.node_id == cheat]
+        honest_made = TorchEngine(EngineConfig(model="tiny")).generate(
+            [GenerationRequest(r.prompt_ids, r.sampling, r.seed) for r in mine]
+        )
+        laundered = sum(
+            r.completion_ids != h.completion_ids for r, h in zip(mine, honest_made, strict=True)
+        )
+        unverified = sum(r.detail == "unverified (spot check)" for r in results)
+        figures = {
+            "requests": len(results),
+            "released_unverified": unverified,
+            "turncoat_released": len(mine),
+            "turncoat_laundered_released": laundered,
+        }
+        report("turncoat-launder under per-node spot checks (tiny fp32 pool)", figures)
+        assert unverified > 0, figures  # the rates did fall
+        assert len(mine) >= 8 and laundered == 0, figures
+        log = (pool.workdir / "scheduler.log").read_text(errors="replace")
+        assert not any(f"{h} loses reputation" in log for h in honest), figures
+        for h in honest:
+            assert pool.node_state(pool.node_id(h)) == "healthy"
+    finally:
+        pool.close()
