@@ -36,8 +36,8 @@ Spot checks (`scheduler.spot_checks`): a rollout is verified with the pool's rat
 falls with the node's accepted history); one that is not is released as accepted,
 "unverified (spot check)", through the same release as every other (it waits for its
 generator's settlement and is never released from a banned generator). Under per-node
-rates it is first held until a later verified rollout of its generator was accepted; if
-that one is rejected or none comes in time, it is verified itself. The draws (spot check,
+rates it is first held until a verified rollout its generator made later was accepted; if
+a check of that node is rejected, or none comes, it is verified itself. The draws (spot check,
 audit) come from the `rng` given to the constructor, so a test can seed them.
 
 Audit (`VerificationPolicy.audit_rate`): with that probability a rollout is released as
@@ -72,9 +72,10 @@ Invariants:
 - Nothing is released from a banned generator, nothing of a flagged generator before its
   recheck settled, and nothing unverified unless the pool's spot-check rate says so; on
   every path (verified or spot-checked), as a `Release` carries its generator; under
-  per-node rates, nothing unverified before its generator's next check was accepted. Nothing is
-  released before its audit (when drawn) returned, and a rollout a recent checker
-  (`Registry.is_recent`) accepted is always audited by an established one.
+  per-node rates, nothing unverified before a check of a rollout its generator made later
+  was accepted. Nothing is released before its audit (when drawn) returned, and a
+  rollout a recent checker (`Registry.is_recent`) accepted is always audited by an
+  established one.
 - Every verdict received is written to the audit table with the generator's signed
   rollout and the verifier's signed verdict.
 - Every verification is given the signed request, whatever the job's source.
@@ -462,10 +463,11 @@ class Dispatcher:
         """Run the verification protocol (`next_step` decides) over real nodes, then apply
         its decision; or, when the spot check skips this rollout, release it unverified."""
         gen = made.gen
+        ticket = self.spot.arrived(gen)
         if self.spot.skip(gen):
             gen.unsettled -= 1  # held, not worked on: it takes none of the node's slots
             try:
-                release = await self.spot.hold(gen)
+                release = await self.spot.hold(gen, ticket)
             finally:
                 gen.unsettled += 1
             if release:
@@ -474,13 +476,13 @@ class Dispatcher:
             if gen.state == "banned":  # what a ban must drop: nothing of it is verified
                 self._elsewhere(job, gen, f"{gen.label} was banned")
                 return
-        self.spot.started(gen)
+        self.spot.started(gen, ticket)
         try:
-            await self._check(job, made, request)
+            await self._check(job, made, request, ticket)
         finally:
-            self.spot.ended(gen)
+            self.spot.ended(gen, ticket)
 
-    async def _check(self, job: Job, made: Generated, request: RolloutRequest) -> None:
+    async def _check(self, job: Job, made: Generated, request: RolloutRequest, ticket: int) -> None:
         """The verification protocol over real nodes, and its decision applied."""
         gen = made.gen
         audited = self.rng.random() < self.pool.config.verification.audit_rate
@@ -505,7 +507,7 @@ class Dispatcher:
             # A recent checker's word is never enough alone: an established one audits it.
             audited = audited or self.registry.is_recent(answer.node, time.time())
         self._apply(step, nodes)
-        self.spot.checked(gen, step.released)
+        self.spot.checked(gen, ticket, step.released)
         if step.released:
             await self._release(Release(job, made, tuple(j.envelope for j in judged)))
         else:
