@@ -36,9 +36,9 @@ Spot checks (`scheduler.spot_checks`): a rollout is verified with the pool's rat
 falls with the node's accepted history); one that is not is released as accepted,
 "unverified (spot check)", through the same release as every other (it waits for its
 generator's settlement and is never released from a banned generator). Under per-node
-rates it is first held until a verified rollout its generator made later was accepted; if
-a check of that node is rejected, or none comes, it is verified itself. The draws (spot check,
-audit) come from the `rng` given to the constructor, so a test can seed them.
+rates it is first held until a verified rollout its generator made later was accepted;
+if a check of that node is rejected, or none comes, it is verified itself. The draws
+(spot check, audit) come from the `rng` given to the constructor, so a test can seed them.
 
 Audit (`VerificationPolicy.audit_rate`): with that probability a rollout is released as
 accepted only when two verifiers accepted it, and a generator is punished only when two
