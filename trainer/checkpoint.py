@@ -9,7 +9,9 @@ Invariants: the `COMPLETE` marker is written last, by rank 0, after every rank h
 finished writing, so a checkpoint without it is never loaded and never counted;
 `cleanup` deletes only complete checkpoints older than the newest `keep_last` ones and
 only the `trainer/` part (the orchestrator keeps its state beside it); loading restores
-exactly the state that was saved, so a resumed run reproduces an uninterrupted one.
+exactly the state that was saved, so a resumed run reproduces an uninterrupted one; a
+checkpoint written in the background (`CheckpointWriter`) holds the state as it was when
+`save` was called, whatever the trainer did while it was written.
 """
 
 from __future__ import annotations
@@ -17,8 +19,10 @@ from __future__ import annotations
 import contextlib
 import random
 import shutil
+import threading
 import warnings
 from collections.abc import Iterator
+from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
 
@@ -96,11 +100,7 @@ def _set_rng_state(state: dict[str, Any]) -> None:
 
 def save_checkpoint(run_dir: Path, step: int, model, optimizer, scheduler) -> Path:
     """Write the trainer state after `step` optimizer steps (collective: all ranks call it)."""
-    folder = checkpoint_dir(run_dir, step)
-    if _rank() == 0 and folder.exists():
-        shutil.rmtree(folder)  # leftovers of a crash before the marker
-    _barrier()
-    folder.mkdir(parents=True, exist_ok=True)
+    folder = _start(run_dir, step, scheduler)
     model_sd, optim_sd = get_state_dict(model, optimizer)
     with _single_process_quiet():
         dcp.save(
@@ -108,13 +108,75 @@ def save_checkpoint(run_dir: Path, step: int, model, optimizer, scheduler) -> Pa
             checkpoint_id=str(folder),
             no_dist=not dist.is_initialized(),
         )
-    extra = {"step": step, "scheduler": scheduler.state_dict(), "rng": _rng_state()}
-    torch.save(extra, folder / f"extra_rank{_rank()}.pt")
     _barrier()
     if _rank() == 0:
         (folder / MARKER).write_text(f"{step}\n")
     _barrier()
     return folder
+
+
+def _start(run_dir: Path, step: int, scheduler) -> Path:
+    """A fresh folder for `step`'s checkpoint holding this rank's small extras (schedule,
+    step, RNG states: taken now, before anything moves on)."""
+    folder = checkpoint_dir(run_dir, step)
+    if _rank() == 0 and folder.exists():
+        shutil.rmtree(folder)  # leftovers of a crash before the marker
+    _barrier()
+    folder.mkdir(parents=True, exist_ok=True)
+    extra = {"step": step, "scheduler": scheduler.state_dict(), "rng": _rng_state()}
+    torch.save(extra, folder / f"extra_rank{_rank()}.pt")
+    return folder
+
+
+class CheckpointWriter:
+    """Saves a run's checkpoints and keeps the newest `keep_last` (issue 28: off the
+    critical path). In the background (one process only: DCP's async save needs a CPU
+    process group where there are several), the model and optimizer state are copied to
+    CPU memory in the caller, which then goes on, and written by DCP on a thread; the
+    marker and the cleanup of older checkpoints follow when the write is done. One
+    checkpoint is written at a time: `save` first waits for the one before. Otherwise
+    `save` writes in the caller (collective, as `save_checkpoint`)."""
+
+    def __init__(self, run_dir: Path, keep_last: int, background: bool = True):
+        self.run_dir, self.keep_last = Path(run_dir), keep_last
+        self.background = background and not dist.is_initialized()
+        self._pending: tuple[Future, threading.Event] | None = None
+
+    def save(self, step: int, model, optimizer, scheduler) -> None:
+        """Checkpoint the state after `step` optimizer steps."""
+        self.wait()
+        if not self.background:
+            save_checkpoint(self.run_dir, step, model, optimizer, scheduler)
+            cleanup_checkpoints(self.run_dir, self.keep_last)
+            return
+        folder = _start(self.run_dir, step, scheduler)
+        model_sd, optim_sd = get_state_dict(model, optimizer)
+        with _single_process_quiet():
+            future = dcp.async_save(
+                {"model": model_sd, "optim": optim_sd}, checkpoint_id=str(folder), no_dist=True
+            )
+        done = threading.Event()
+        future.add_done_callback(lambda f: self._complete(step, folder, f, done))
+        self._pending = (future, done)
+
+    def _complete(self, step: int, folder: Path, future: Future, done: threading.Event) -> None:
+        # On DCP's thread, as soon as the write is done: a run stopped later resumes here.
+        try:
+            if future.exception() is None:
+                (folder / MARKER).write_text(f"{step}\n")
+                cleanup_checkpoints(self.run_dir, self.keep_last)
+        finally:
+            done.set()
+
+    def wait(self) -> None:
+        """Return once the checkpoint under way (if any) is complete, its marker written;
+        raises its error."""
+        pending, self._pending = self._pending, None
+        if pending is not None:
+            future, done = pending
+            with _single_process_quiet():
+                future.result()
+            done.wait()
 
 
 def load_checkpoint(run_dir: Path, step: int, model, optimizer, scheduler) -> int:

@@ -115,6 +115,10 @@ class CheckpointConfig(Section):
     """Checkpoints kept; older ones are deleted."""
     resume: bool = False
     """Continue from the newest checkpoint in the run directory (same data order)."""
+    background: bool = True
+    """Write the trainer's checkpoints on a thread while training goes on (the state is
+    copied to CPU memory first; one process only: several ranks write in the step).
+    False: the step waits for its checkpoint."""
 
 
 class WeightsConfig(Section):
@@ -126,6 +130,12 @@ class WeightsConfig(Section):
     manifest and seeds it over libp2p; workers fetch pieces from each other."""
     keep_last: int = Field(3, ge=1)
     """Weight versions kept on disk beyond what async_level still needs."""
+    background: bool = True
+    """Publish each version (write, hash, delta-code, seed) on a background thread while
+    the next step trains (`trainer.publisher`); the trainer waits only to copy the weights
+    off the device and, when publishing is slower than training, for the version before.
+    False: the trainer publishes each version itself before its next step (the way to
+    measure what the background saves)."""
     swarm: SwarmConfig = SwarmConfig(relay_service=True, use_relay=False)
     """The trainer's swarm peer (swarm transport): listen address, upload cap, piece size.
     It is also the pool's relay: workers behind NAT reserve a slot on it."""
@@ -331,6 +341,10 @@ class LocalSwarmConfig(Section):
     and engine mix."""
     pool_id: str = Field("local", min_length=1, max_length=64)
     """Pool id of the local pool."""
+    scheduler_port: int = Field(0, ge=0, le=65535)
+    """Port of the local pool's scheduler on 127.0.0.1 (0: a free one). A fixed port lets
+    nodes started apart from the run join the local pool (`prime-node join --pool
+    <pool_id> --scheduler http://127.0.0.1:<port>`), e.g. a dishonest one in a bench."""
     heartbeat_interval_s: float = Field(2.0, gt=0)
     """Worker heartbeat period (a killed worker is declared dead after 15 of them)."""
     worker_upload_rate: int = Field(0, ge=0)

@@ -57,7 +57,7 @@ class LocalPool:
         self.ls = cfg.local_swarm
         self.root = Path(cfg.run_dir) / "swarm"
         self.keys = self.root / "keys"
-        self.port = free_port()
+        self.port = self.ls.scheduler_port or free_port()
         self.workers = [f"w{i}" for i in range(self.ls.workers)]
         self.worker_ports = {w: free_port() for w in self.workers}
         self.keys.mkdir(parents=True, exist_ok=True)

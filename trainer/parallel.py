@@ -116,12 +116,22 @@ def apply_fsdp(policy: nn.Module, device: torch.device, dtype: torch.dtype) -> b
     return True
 
 
-def gather_full_state_dict(policy: nn.Module) -> dict[str, torch.Tensor]:
-    """The HF model's full state dict on CPU, on rank 0 (other ranks get {})."""
+def gather_full_state_dict(
+    policy: nn.Module, dtype: torch.dtype | None = None
+) -> dict[str, torch.Tensor]:
+    """The HF model's full state dict on CPU, on rank 0 (other ranks get {}), its
+    floating-point tensors in `dtype` (None: as trained): a copy the caller owns, which
+    later optimizer steps never change (cast on the device first: half the bytes to copy
+    for bf16)."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
+    def own(v: torch.Tensor) -> torch.Tensor:
+        t = v.detach()
+        t = t.to(dtype if dtype is not None and t.is_floating_point() else None).cpu()
+        return t.clone() if t.data_ptr() == v.data_ptr() else t
+
     if not is_distributed():
-        return {k: v.detach().cpu().clone() for k, v in policy.lm.state_dict().items()}
+        return {k: own(v) for k, v in policy.lm.state_dict().items()}
     opts = StateDictOptions(full_state_dict=True, cpu_offload=True)
     state = get_model_state_dict(policy, options=opts)
-    return {k.removeprefix("lm."): v for k, v in state.items()}
+    return {k.removeprefix("lm."): own(v) for k, v in state.items()}

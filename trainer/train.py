@@ -31,12 +31,7 @@ from torch.optim.lr_scheduler import LambdaLR
 
 from protocol.config import load_config_or_exit, write_resolved
 from trainer.batch import TrainingSample, oldest_admissible, wait_batch
-from trainer.checkpoint import (
-    cleanup_checkpoints,
-    latest_checkpoint,
-    load_checkpoint,
-    save_checkpoint,
-)
+from trainer.checkpoint import CheckpointWriter, latest_checkpoint, load_checkpoint
 from trainer.config import OptimConfig, SFTConfig, TrainerConfig
 from trainer.loss import aipo_loss, sft_loss
 from trainer.model import PolicyModel, compute_dtype, load_model, pick_device
@@ -53,6 +48,7 @@ from trainer.parallel import (
     init_distributed,
     is_distributed,
 )
+from trainer.publisher import Publisher
 from trainer.weights import make_transport, save_hf_folder
 
 log = logging.getLogger("prime.trainer")
@@ -112,6 +108,7 @@ class Trainer:
             fused=self.device.type == "cuda",
         )
         self.scheduler = LambdaLR(self.optimizer, lr_factor(cfg.optim, cfg.max_steps))
+        self.checkpoints = CheckpointWriter(cfg.run_dir, cfg.ckpt.keep_last, cfg.ckpt.background)
         self.step_count = 0
         # JSONL metrics, progress display and W&B (rank 0 only); callers may add hooks.
         self.monitor = Monitor(
@@ -214,13 +211,15 @@ class Trainer:
 
     # ---- weights, checkpoints, metrics ---------------------------------------------------
 
-    def full_state_dict(self) -> dict[str, torch.Tensor]:
-        """The HF model's full state dict on rank 0 (collective; other ranks get {})."""
-        return gather_full_state_dict(self.policy)
+    def full_state_dict(self, dtype: str | None = None) -> dict[str, torch.Tensor]:
+        """The HF model's full state dict on rank 0, a CPU copy in `dtype` (None: as
+        trained) (collective; other ranks get {})."""
+        return gather_full_state_dict(self.policy, getattr(torch, dtype) if dtype else None)
 
     def save_checkpoint(self, step: int) -> None:
-        save_checkpoint(self.cfg.run_dir, step, self.policy, self.optimizer, self.scheduler)
-        cleanup_checkpoints(self.cfg.run_dir, self.cfg.ckpt.keep_last)
+        """Checkpoint the state after `step` (in the background where `ckpt.background`:
+        `checkpoints.wait()` returns once it is complete)."""
+        self.checkpoints.save(step, self.policy, self.optimizer, self.scheduler)
 
     def load_checkpoint(self, step: int) -> None:
         self.step_count = load_checkpoint(
@@ -245,26 +244,51 @@ class Trainer:
                 transport.reopen()
         if self.rank == 0:
             write_resolved(cfg, cfg.run_dir / "configs" / "trainer.toml")
-        if self.step_count == 0:
-            state = self.full_state_dict()
-            if self.rank == 0 and 0 not in transport.versions():
-                transport.save(0, state, self.hf_config, self.tokenizer)
-        for n in range(self.step_count + 1, cfg.max_steps + 1):
-            batch, stale, idle = wait_batch(cfg.run_dir, n, cfg.async_level, cfg.batch_timeout_s)
-            metrics = self.step(batch.samples, "rl")
-            state = self.full_state_dict()
-            if self.rank == 0:
-                transport.save(n, state, self.hf_config, self.tokenizer)
-                transport.cleanup(keep_from=oldest_admissible(n + 1, cfg.async_level))
+        dtype = getattr(transport, "dtype", None)  # what the pool serves: cast before the copy
+
+        def save(n: int, state: dict[str, torch.Tensor]) -> None:
+            transport.save(n, state, self.hf_config, self.tokenizer)
+            transport.cleanup(keep_from=oldest_admissible(n + 1, cfg.async_level))
+
+        publisher = Publisher(save, background=cfg.weights.background and self.rank == 0)
+        try:
+            # The version the run starts from (0, or the checkpoint's after a crash that
+            # came before its publication): the orchestrator needs it to make batches.
+            state = self.full_state_dict(dtype)
+            if self.rank == 0 and self.step_count not in transport.versions():
+                publisher.submit(self.step_count, state)
             del state
-            if n % cfg.ckpt.interval == 0 or n == cfg.max_steps:
-                self.save_checkpoint(n)
-            metrics.update(idle_s=idle, stale_dropped=stale)
-            metrics.update({f"orch/{k}": v for k, v in batch.metrics.items()})
-            if self.rank == 0:
-                log.info("step %d loss %.4g grad_norm %.3g idle %.1fs", n, metrics["loss"],
-                         metrics["grad_norm"], idle)  # fmt: skip
-            self.on_step(n, metrics)
+            for n in range(self.step_count + 1, cfg.max_steps + 1):
+                batch, stale, idle = wait_batch(
+                    cfg.run_dir, n, cfg.async_level, cfg.batch_timeout_s
+                )
+                metrics = self.step(batch.samples, "rl")
+                t0 = time.perf_counter()
+                state = self.full_state_dict(dtype)
+                waited = publisher.submit(n, state) if self.rank == 0 else 0.0
+                del state
+                ckpt_s = 0.0
+                if n % cfg.ckpt.interval == 0 or n == cfg.max_steps:
+                    t1 = time.perf_counter()
+                    self.save_checkpoint(n)
+                    ckpt_s = time.perf_counter() - t1
+                metrics.update(idle_s=idle, stale_dropped=stale)
+                # The trainer's own time on weights and checkpoints this step (its wall clock
+                # beyond waiting for batches and the optimizer step).
+                metrics.update(
+                    publish_wait_s=waited,
+                    ckpt_s=ckpt_s,
+                    weights_s=time.perf_counter() - t0,
+                    publish_s_total=publisher.publish_s,
+                )
+                metrics.update({f"orch/{k}": v for k, v in batch.metrics.items()})
+                if self.rank == 0:
+                    log.info("step %d loss %.4g grad_norm %.3g idle %.1fs", n, metrics["loss"],
+                             metrics["grad_norm"], idle)  # fmt: skip
+                self.on_step(n, metrics)
+        finally:
+            publisher.close()
+            self.checkpoints.wait()
 
 
 def _matmul_params(hf) -> int:

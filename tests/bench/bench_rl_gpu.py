@@ -41,25 +41,37 @@ sys.path.insert(0, str(ROOT))
 from rich.console import Console  # noqa: E402
 from rich.table import Table  # noqa: E402
 
+from protocol.processes import free_port  # noqa: E402
 from trainer.monitor import read_metrics  # noqa: E402
 
 
-def run_segment(config: Path, run_dir: Path, budget_s: float, extra: list[str]) -> dict:
-    """One slot of the run; returns its summary (also kept in `<run_dir>/segments/`)."""
+def run_segment(
+    config: Path, run_dir: Path, budget_s: float, extra: list[str], adversary: str = ""
+) -> dict:
+    """One slot of the run; returns its summary (also kept in `<run_dir>/segments/`).
+    With `adversary`, a `tests.adversary_node` of that kind joins the local pool as soon
+    as its scheduler answers (the scheduler on a fixed port, the node's key kept in the
+    run directory, so a banned one stays banned in later segments)."""
     resume = (run_dir / "rollouts").exists()
     cmd = [sys.executable, "-m", "trainer.cli", "rl", "@", str(config)]
     cmd += ["--run-dir", str(run_dir), "--monitor.progress", "false", *extra]
     if resume:
         cmd += ["--ckpt.resume", "true"]
+    port = free_port()
+    if adversary:
+        cmd += ["--local-swarm.scheduler-port", str(port)]
     segments = run_dir / "segments"
     segments.mkdir(parents=True, exist_ok=True)
     n = len(list(segments.glob("*.json")))
     log = segments / f"{n}.log"
     t0 = time.monotonic()
+    cheat: subprocess.Popen | None = None
     with log.open("w") as f:
         proc = subprocess.Popen(cmd, cwd=ROOT, stdout=f, stderr=subprocess.STDOUT)
         try:
-            proc.wait(timeout=budget_s)
+            if adversary:
+                cheat = start_adversary(config, run_dir, adversary, port, proc, n)
+            proc.wait(timeout=max(1.0, budget_s - (time.monotonic() - t0)))
         except subprocess.TimeoutExpired:
             proc.send_signal(signal.SIGTERM)  # the launcher stops the pool and summarises
             try:
@@ -67,13 +79,99 @@ def run_segment(config: Path, run_dir: Path, budget_s: float, extra: list[str]) 
             except subprocess.TimeoutExpired:
                 proc.kill()
                 proc.wait()
+        finally:
+            if cheat is not None and cheat.poll() is None:
+                cheat.terminate()
+                cheat.wait(30)
     summary_file = run_dir / "summary.json"
     summary = json.loads(summary_file.read_text()) if summary_file.exists() else {}
     summary.update(segment=n, resumed=resume, exit_code=proc.returncode)
+    if cheat is not None:
+        summary["adversary_exit_code"] = cheat.returncode  # 3: banned
     summary["segment_wall_s"] = round(time.monotonic() - t0, 1)
     (segments / f"{n}.json").write_text(json.dumps(summary, indent=2))
     summary_file.unlink(missing_ok=True)  # the next segment writes its own
     return summary
+
+
+def start_adversary(
+    config: Path, run_dir: Path, kind: str, port: int, run: subprocess.Popen, segment: int
+) -> subprocess.Popen | None:
+    """Start a dishonest node of `kind` against the run's local pool once the scheduler
+    answers; None if the run ended first. It generates with the pool's engine mix."""
+    import tomllib
+    import urllib.request
+
+    cfg = tomllib.loads(config.read_text())
+    ls = cfg.get("local_swarm", {})
+    verification = tomllib.loads((ROOT / ls["verification"]).read_text())["verification"]
+    (mix,) = verification["engine_mixes"]
+    url = f"http://127.0.0.1:{port}"
+    while run.poll() is None:
+        try:
+            with urllib.request.urlopen(f"{url}/health", timeout=2):
+                break
+        except OSError:
+            time.sleep(2)
+    else:
+        return None
+    home = (run_dir / "adversary" / f"segment{segment}").resolve()  # a newcomer each slot
+    home.mkdir(parents=True, exist_ok=True)
+    cmd = [
+        sys.executable, "-m", "tests.adversary_node", kind, "join",
+        "--pool", ls.get("pool_id", "local"), "--scheduler", url,
+        "--key-file", str(home / "node.key"), "--operator", "adversary",
+        "--server.port", str(free_port()), "--log-dir", str(home),
+        "--weights.folder", str(home / "weights"), "--drain-timeout-s", "5",
+        "--engine.kind", mix["engine"], "--engine.dtype", mix["dtype"],
+        "--engine.device", mix["device"], *ls.get("worker_args", []),
+    ]  # fmt: skip
+    out = (home / "node.log").open("w")
+    return subprocess.Popen(cmd, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT)
+
+
+def trust(run_dir: Path) -> dict:
+    """What the scheduler's database says about trust over the whole run: verdicts about
+    honest workers' rollouts and how many rejected, and each adversary's fate (one per
+    segment: its state, its rollouts rejected, accepting verdicts, rollouts released)."""
+    import sqlite3
+
+    from protocol.identity import Identity
+
+    db = run_dir / "swarm" / "scheduler.db"
+    if not db.is_file():
+        return {}
+    keys = sorted((run_dir / "adversary").glob("segment*/node.key"))
+    cheats = {k.parent.name: Identity.load_or_create(k).node_id for k in keys}
+    marks = ",".join("?" * len(cheats)) or "''"
+    with sqlite3.connect(db) as conn:
+        honest = conn.execute(
+            "SELECT COUNT(*), COALESCE(SUM(accepted = 0), 0) FROM verdicts "
+            f"WHERE generator_id NOT IN ({marks})",
+            list(cheats.values()),
+        ).fetchone()
+        out: dict = {"honest_verdicts": honest[0], "honest_rejections": honest[1]}
+        for seg, cheat in cheats.items():
+            state = conn.execute(
+                "SELECT state, reason FROM nodes WHERE node_id = ?", (cheat,)
+            ).fetchone()
+            rejected, accepted = conn.execute(
+                "SELECT COUNT(DISTINCT CASE WHEN accepted = 0 THEN request_id END), "
+                "COALESCE(SUM(accepted = 1), 0) FROM verdicts WHERE generator_id = ?",
+                (cheat,),
+            ).fetchone()
+            released = conn.execute(
+                "SELECT COUNT(*) FROM results WHERE generator_id = ? AND status = 'accepted'",
+                (cheat,),
+            ).fetchone()[0]
+            out.setdefault("adversaries", {})[seg] = {
+                "state": state[0] if state else None,
+                "reason": state[1] if state else None,
+                "rollouts_rejected": rejected,
+                "accepting_verdicts": accepted,
+                "rollouts_released": released,
+            }
+    return out
 
 
 def _fmean(xs: list[float]) -> float | None:
@@ -120,6 +218,8 @@ def report(run_dir: Path, config: Path, device: str) -> dict:
     wall = sum(w for w, _ in walls)
     w_idle = sum(b.get("idle_s", 0.0) for _, b in walls)
     w_step = sum(b.get("step_time_s", 0.0) for _, b in walls)
+    # What the trainer itself spent on weights and checkpoints (hand-off, waits, saves).
+    w_weights = sum(b["weights_s"] for _, b in walls if "weights_s" in b)
     gen = sum(s.get("worker_generate_s", 0.0) for s in segments)
     ver = sum(s.get("worker_verify_s", 0.0) for s in segments)
     last_seg = segments[-1] if segments else {}
@@ -146,6 +246,10 @@ def report(run_dir: Path, config: Path, device: str) -> dict:
         }
         if wall
         else None,
+        "trainer_weights_share": w_weights / wall
+        if wall and any("weights_s" in b for _, b in walls)
+        else None,
+        "trainer_publish_background_s": trained[-1].get("publish_s_total") if trained else None,
         "worker_generate_s": gen,
         "worker_verify_s": ver,
         "worker_verify_share": ver / (gen + ver) if gen + ver else None,
@@ -156,6 +260,7 @@ def report(run_dir: Path, config: Path, device: str) -> dict:
             if k.startswith("rollouts_")
         },
         "nodes_banned": last_seg.get("nodes_banned"),
+        "trust": trust(run_dir),
         "nodes": last_seg.get("nodes"),
         "per_step": steps,
         "per_segment": segments,
@@ -205,13 +310,20 @@ def table(res: dict) -> Table:
             "trainer wall: idle / step / weights+ckpt",
             " / ".join(f"{v:.2f}" for v in (res["trainer_wall_shares"] or {}).values()) or "-",
         ),
+        ("trainer wall on weights+ckpt (its own timer)", _f(res["trainer_weights_share"])),
         ("worker time verifying", _f(res["worker_verify_share"])),
+        ("honest verdicts (rejected)", _trust(res["trust"])),
+        ("adversaries", json.dumps(res["trust"].get("adversaries")) if res["trust"] else "-"),
         ("rollouts", ", ".join(f"{k} {v}" for k, v in res["rollouts"].items())),
         ("nodes banned", str(res["nodes_banned"])),
     ]
     for row in rows:
         t.add_row(*row)
     return t
+
+
+def _trust(t: dict) -> str:
+    return f"{t['honest_verdicts']} ({t['honest_rejections']})" if t else "-"
 
 
 def _f(x: float | None, spec: str = ".3f") -> str:
@@ -234,11 +346,17 @@ def main() -> None:
     ap.add_argument("--out", type=Path, default=Path("tests/bench/results/rl_smollm2_h200"))
     ap.add_argument("--report-only", action="store_true", help="no segment: report the run")
     ap.add_argument("--device", default="", help="device name in the report ('': this one's)")
+    ap.add_argument(
+        "--adversary",
+        default="",
+        help="a tests.adversary_node kind that joins the pool in every segment (e.g. "
+        "launder-noise; PRIME_LAUNDER_SCALE and the like pass through the environment)",
+    )
     ap.add_argument("extra", nargs="*", help="extra `rl` flags (after --)")
     args = ap.parse_args()
     console = Console()
     if not args.report_only:
-        seg = run_segment(args.config, args.run_dir, args.budget_s, args.extra)
+        seg = run_segment(args.config, args.run_dir, args.budget_s, args.extra, args.adversary)
         console.print(f"segment {seg['segment']}: {seg.get('outcome')} (exit {seg['exit_code']})")
     res = report(args.run_dir, args.config, args.device or device_name())
     args.out.parent.mkdir(parents=True, exist_ok=True)

@@ -9,6 +9,7 @@ import torch
 from torch.optim.lr_scheduler import LambdaLR
 
 from trainer.checkpoint import (
+    CheckpointWriter,
     checkpoint_dir,
     cleanup_checkpoints,
     latest_checkpoint,
@@ -54,6 +55,31 @@ def test_restore_continues_exactly_like_an_uninterrupted_run(tmp_path):
     for a, b in zip(ref[0].parameters(), resumed[0].parameters(), strict=True):
         assert torch.equal(a, b)
     assert resumed[2].get_last_lr() == ref[2].get_last_lr()
+
+
+def test_a_checkpoint_written_in_the_background_holds_the_state_of_its_step(tmp_path):
+    """`CheckpointWriter` (issue 28): the trainer trains on while the checkpoint of step 3
+    is written; resuming from it still reproduces an uninterrupted run, and keep_last
+    holds once each write completes."""
+    ref = _setup()
+    _train(*ref, 6)
+
+    first = _setup()
+    writer = CheckpointWriter(tmp_path, keep_last=1, background=True)
+    _train(*first, 1)
+    writer.save(1, *first)
+    _train(*first, 2)  # while (or after) step 1's checkpoint is written
+    writer.save(3, *first)
+    _train(*first, 5)  # diverge while step 3's checkpoint is written
+    writer.wait()
+    assert latest_checkpoint(tmp_path) == 3
+    assert not checkpoint_dir(tmp_path, 1).exists()  # keep_last 1, after 3 completed
+
+    resumed = _setup(seed=1)
+    assert load_checkpoint(tmp_path, 3, *resumed) == 3
+    _train(*resumed, 3)
+    for a, b in zip(ref[0].parameters(), resumed[0].parameters(), strict=True):
+        assert torch.equal(a, b)
 
 
 def test_incomplete_checkpoints_are_ignored_and_cleanup_keeps_the_newest(tmp_path):
