@@ -102,6 +102,8 @@ def start_adversary(
     import tomllib
     import urllib.request
 
+    from protocol.identity import Identity
+
     cfg = tomllib.loads(config.read_text())
     ls = cfg.get("local_swarm", {})
     verification = tomllib.loads((ROOT / ls["verification"]).read_text())["verification"]
@@ -117,8 +119,9 @@ def start_adversary(
         return None
     home = (run_dir / "adversary" / f"segment{segment}").resolve()  # a newcomer each slot
     home.mkdir(parents=True, exist_ok=True)
+    Identity.load_or_create(home / "node.key")  # trust() finds it even if the node fails
     cmd = [
-        sys.executable, "-m", "tests.adversary_node", kind, "join",
+        sys.executable, "-m", "tests.adversary_node", kind,
         "--pool", ls.get("pool_id", "local"), "--scheduler", url,
         "--key-file", str(home / "node.key"), "--operator", "adversary",
         "--server.port", str(free_port()), "--log-dir", str(home),
