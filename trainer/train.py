@@ -4,15 +4,17 @@
 are several; one process trains unsharded under bf16 autocast on GPU), groups up to
 `micro_batch_rows` rows per [rows, width] micro-batch, runs forward/backward with the
 AIPO (or SFT) loss and takes one AdamW step. `Trainer.run` waits
-for the orchestrator's batch of each step, trains on it, publishes the new weights and
-checkpoints. `train_sft` is the supervised warm-up on the same step.
+for the orchestrator's batch of each step, trains on it, and hands the new weights to the
+publisher (`trainer.publisher`: written and seeded on a thread while the next step trains)
+and, every `ckpt.interval` steps, the state to a checkpoint written in the background. `train_sft` is the supervised warm-up on the same step.
 
 Invariants: weights version n is the policy after n optimizer steps (version 0, the
 initial weights, is published before step 1); a step's loss is normalised by the loss
 tokens of the whole step on all ranks, so it does not depend on how samples are packed
 or how many ranks share them; every rank runs the same collectives in the same order;
 only rank 0 writes weights and metrics; a run resumed from its step-k checkpoint ends
-with the same weights as one that never stopped.
+with the same weights as one that never stopped, and publishes version k if the stop came
+before its publication.
 """
 
 from __future__ import annotations
