@@ -217,14 +217,21 @@ class NodeServer:
             for i, rid in enumerate(ids)
         ]
 
-    def _chat_ids(self, messages, add_generation_prompt: bool = True) -> list[int]:
+    def _chat_ids(self, messages, add_generation_prompt: bool = True, body=None) -> list[int]:
+        """A chat prompt's ids: the template over the plain conversation (tools and calls
+        written in `protocol.tools`' format), then the tool prefill's own ids."""
         tok = self.worker.engine.tokenizer
         if not tok.chat_template:
             raise RequestRejected("this model has no chat template; use /v1/completions")
+        conv = body.conversation() if body is not None else conversation(messages)
         ids = tok.apply_chat_template(
-            conversation(messages), add_generation_prompt=add_generation_prompt, tokenize=True
+            conv, add_generation_prompt=add_generation_prompt, tokenize=True
         )
-        return list(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids)
+        ids = list(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids)
+        ctx = body.tool_context() if body is not None else None
+        if ctx is not None and ctx.prefill:
+            ids += tok.encode(ctx.prefill, add_special_tokens=False)
+        return ids
 
     def _decode(self, ids: list[int]) -> str:
         return self.worker.engine.tokenizer.decode(ids, skip_special_tokens=True)
@@ -288,6 +295,7 @@ class NodeServer:
             self.model_name,
             logprobs,
             [s.top_logprobs for s in signed] if top else None,
+            tools=body.tool_context() if kind == "chat" else None,
         )
         return await respond(request, answer, body.stream, self._decode, body.include_usage)
 
@@ -295,7 +303,7 @@ class NodeServer:
         self._check_openai_caller(request)
         body = await read_json(request, ChatCompletionRequest)
         top = (body.top_logprobs or 0) if body.logprobs else 0
-        ids = self._chat_ids(body.messages)
+        ids = self._chat_ids(body.messages, body=body)
         return await self._openai_generate(request, "chat", body, ids, top, body.logprobs)
 
     async def completions(self, request: web.Request) -> web.StreamResponse:

@@ -2,8 +2,9 @@
 answers rendered from signed rollouts, and server-sent chunks.
 
 Requests are validated into pydantic models: unknown OpenAI parameters are ignored, the
-ones this network cannot honour (tools, response_format, echo, logit_bias, penalties, ...)
-are refused with a message rather than silently dropped, and sampling parameters become a
+ones this network cannot honour (response_format, echo, logit_bias, penalties, the legacy
+`functions`, ...) are refused with a message rather than silently dropped; tools and tool
+calls follow `protocol.tools`, and sampling parameters become a
 `SamplingParams`, whose validators are the one place that says what a pool accepts.
 Answers follow the OpenAI schema plus what vLLM adds and the verifiers library relies on:
 top-level `prompt_token_ids`, `choices[i].token_ids` (including the stop token), per-token
@@ -26,13 +27,13 @@ from typing import Any, Literal
 from aiohttp import web
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from protocol import tools as tools_fmt
 from protocol.messages import MAX_SEED, Rollout, SamplingParams
+from protocol.tools import ToolCall, ToolChoice, ToolDef
 
 MAX_CHOICES = 16
 # Parameters of OpenAI's API that this network cannot honour: refused, never ignored.
 UNSUPPORTED = (
-    "tools",
-    "tool_choice",
     "functions",
     "function_call",
     "parallel_tool_calls",
@@ -129,6 +130,10 @@ class ChatMessage(BaseModel):
 
     role: Literal["system", "user", "assistant", "tool", "developer"]
     content: str | list[dict[str, Any]] | None = ""
+    tool_calls: list[ToolCall] | None = Field(None, max_length=64)
+    """An assistant message's calls (as an answer of this surface gave them)."""
+    tool_call_id: str | None = Field(None, max_length=128)
+    """A tool message: the id of the call it answers."""
 
     @field_validator("content")
     @classmethod
@@ -145,14 +150,71 @@ class ChatMessage(BaseModel):
         return self.content or ""
 
 
-def conversation(messages: list[ChatMessage]) -> list[dict[str, str]]:
-    return [{"role": m.role, "content": m.text()} for m in messages]
+def conversation(
+    messages: list[ChatMessage], tools: list[ToolDef] | None = None, choice: Any = None
+) -> list[dict[str, str]]:
+    """The plain messages a chat template renders: tools described in the system message
+    (unless `choice` is 'none'), calls and tool results written in `protocol.tools`'
+    format."""
+    out = []
+    for m in messages:
+        text = m.text()
+        if m.role == "assistant" and m.tool_calls:
+            blocks = [
+                tools_fmt.call_text(c.function.name, c.function.arguments) for c in m.tool_calls
+            ]
+            text = "\n".join(([text] if text else []) + blocks)
+        if m.role == "tool":
+            out.append({"role": "user", "content": tools_fmt.response_text(text)})
+        else:
+            out.append({"role": m.role, "content": text})
+    if tools and choice != "none":
+        described = tools_fmt.system_text(tools)
+        if out and out[0]["role"] == "system":
+            out[0] = {"role": "system", "content": out[0]["content"] + "\n\n" + described}
+        else:
+            out.insert(0, {"role": "system", "content": described})
+    return out
 
 
 class ChatCompletionRequest(_OpenAIRequest):
     messages: list[ChatMessage] = Field(min_length=1, max_length=1024)
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=20)
+    tools: list[ToolDef] | None = Field(None, max_length=128)
+    tool_choice: ToolChoice | None = None
+    """'auto' (the default with tools), 'none', 'required' or a named function."""
+    parallel_tool_calls: bool | None = None
+    """Accepted; the model may write several calls whatever it says."""
+
+    @model_validator(mode="after")
+    def check_tool_use(self) -> ChatCompletionRequest:
+        names = {t.function.name for t in self.tools or []}
+        if len(names) != len(self.tools or []):
+            raise ValueError("tools: two functions have the same name")
+        choice = self.tool_choice
+        if choice not in (None, "none", "auto") and not names:
+            raise ValueError("tool_choice asks for a call but no tools are given")
+        if isinstance(choice, tools_fmt.NamedToolChoice) and choice.function.name not in names:
+            raise ValueError(f"tool_choice names {choice.function.name!r}, which is not in tools")
+        called: set[str] = set()
+        for i, m in enumerate(self.messages):
+            if m.role == "assistant":
+                called.update(c.id for c in m.tool_calls or [])
+            elif m.tool_calls:
+                raise ValueError(f"messages[{i}]: only an assistant message has tool_calls")
+            if m.role == "tool" and m.tool_call_id not in called:
+                raise ValueError(
+                    f"messages[{i}]: a tool message must answer a call of an earlier "
+                    f"assistant message (tool_call_id {m.tool_call_id!r} matches none)"
+                )
+        return self
+
+    def tool_context(self) -> tools_fmt.ToolContext | None:
+        return tools_fmt.context(self.tools, self.tool_choice)
+
+    def conversation(self) -> list[dict[str, str]]:
+        return conversation(self.messages, self.tools, self.tool_choice)
 
 
 class CompletionRequest(_OpenAIRequest):
@@ -240,21 +302,31 @@ def render(
     logprobs: bool,
     tops: list | None = None,
     extra: dict[str, Any] | None = None,
+    tools: tools_fmt.ToolContext | None = None,
 ) -> dict[str, Any]:
-    """The OpenAI answer of one request whose n choices are these rollouts (same prompt)."""
+    """The OpenAI answer of one request whose n choices are these rollouts (same prompt);
+    with `tools`, calls are parsed out of each chat completion (`protocol.tools.parse`)."""
     choices = []
     for i, r in enumerate(rollouts):
         top = tops[i] if tops else None
         text = completion_text(r, decode)
         choice: dict[str, Any] = {"index": i}
+        finish = r.finish_reason
         if kind == "chat":
-            choice["message"] = {"role": "assistant", "content": text}
+            message: dict[str, Any] = {"role": "assistant", "content": text}
+            if tools is not None:
+                content, calls, parsed = tools_fmt.parse(text, tools, r.request_id)
+                message["content"] = content
+                if calls:
+                    message["tool_calls"] = calls
+                finish = parsed or finish
+            choice["message"] = message
             choice["logprobs"] = _chat_logprobs(r, token_text, top) if logprobs else None
         else:
             choice["text"] = text
             choice["logprobs"] = _completion_logprobs(r, token_text, top) if logprobs else None
         choice |= {
-            "finish_reason": r.finish_reason,
+            "finish_reason": finish,
             "token_ids": list(r.completion_ids),
             "rollout_id": r.request_id,
             "seed": r.seed,
@@ -284,6 +356,11 @@ def stream_chunks(answer: dict[str, Any], decode: Decode, include_usage: bool) -
     obj = "chat.completion.chunk" if chat else "text_completion"
     base = {k: answer[k] for k in ("id", "created", "model", "rollout_id")} | {"object": obj}
     for choice in answer["choices"]:
+        if chat and (
+            choice["message"].get("tool_calls") or choice["finish_reason"] == "invalid_tool_call"
+        ):
+            yield from _tool_chunks(base, choice)
+            continue
         final = choice["message"]["content"] if chat else choice["text"]
         ids = choice["token_ids"]
         lps = (choice["logprobs"] or {}).get("content") if chat else None
@@ -309,6 +386,26 @@ def stream_chunks(answer: dict[str, Any], decode: Decode, include_usage: bool) -
             yield base | {"choices": [c]}
     if include_usage:
         yield base | {"choices": [], "usage": answer["usage"]}
+
+
+def _tool_chunks(base: dict[str, Any], choice: dict[str, Any]) -> Iterator[dict]:
+    """A choice whose text holds tool calls, as OpenAI streams one: its content and every
+    token in the first chunk, then one chunk per call (id, name, arguments), then the
+    finish reason."""
+    index, message = choice["index"], choice["message"]
+    first = {"role": "assistant", "content": message["content"] or ""}
+    lps = choice["logprobs"]
+    yield base | {
+        "choices": [
+            {"index": index, "delta": first, "logprobs": lps, "finish_reason": None,
+             "token_ids": choice["token_ids"]}
+        ]
+    }  # fmt: skip
+    for k, call in enumerate(message.get("tool_calls") or []):
+        delta = {"tool_calls": [{"index": k, **call}]}
+        yield base | {"choices": [{"index": index, "delta": delta, "finish_reason": None}]}
+    last = {"index": index, "delta": {}, "finish_reason": choice["finish_reason"]}
+    yield base | {"choices": [last | {"rollout_id": choice["rollout_id"]}]}
 
 
 async def respond(

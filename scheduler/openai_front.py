@@ -142,7 +142,7 @@ class OpenAIFront:
                 text="top_logprobs is not offered by a pool (it is not part of what is "
                 "verified); ask for logprobs only"
             )
-        return await self._serve(request, "chat", body, self._chat_ids(body.messages))
+        return await self._serve(request, "chat", body, self._chat_ids(body.messages, body=body))
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
         self.authorize(request)
@@ -155,11 +155,18 @@ class OpenAIFront:
         return await self._serve(request, "completion", body, prompt)
 
     # -- one call -------------------------------------------------------------------------
-    def _chat_ids(self, messages, add_generation_prompt: bool = True) -> list[int]:
+    def _chat_ids(self, messages, add_generation_prompt: bool = True, body=None) -> list[int]:
+        """As a node computes them (`node.server`): the template over the plain
+        conversation, then the tool prefill's own ids."""
+        conv = body.conversation() if body is not None else conversation(messages)
+        ctx = body.tool_context() if body is not None else None
         try:
-            return self._tok().chat_ids(conversation(messages), add_generation_prompt)
+            ids = self._tok().chat_ids(conv, add_generation_prompt)
         except (TokenizerError, TemplateError) as exc:
             raise web.HTTPBadRequest(text=str(exc)) from exc
+        if ctx is not None and ctx.prefill:
+            ids += self._tok().encode(ctx.prefill)
+        return ids
 
     async def _serve(self, request: web.Request, kind, body, prompt_ids: list[int]):
         tok = self._tok()
@@ -199,5 +206,6 @@ class OpenAIFront:
             self.pool.config.model,
             bool(body.logprobs is not None if kind == "completion" else body.logprobs),
             extra=SEED_NOTE,
+            tools=body.tool_context() if kind == "chat" else None,
         )
         return await respond(request, answer, body.stream, tok.decode, body.include_usage)

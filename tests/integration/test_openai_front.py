@@ -102,7 +102,14 @@ async def test_answers_are_the_verified_signed_rollouts_streamed_or_not(pool: Po
 def test_unsupported_and_out_of_range_parameters_get_a_clear_400(pool: Pool):
     client = pool.openai(max_retries=0)
     for extra, said in (
-        ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "'tools'"),
+        (
+            {
+                "tools": [{"type": "function", "function": {"name": "f"}}],
+                "tool_choice": {"type": "function", "function": {"name": "g"}},
+            },
+            "not in tools",
+        ),
+        ({"messages": [{"role": "tool", "tool_call_id": "c9", "content": "3"}]}, "matches none"),
         ({"response_format": {"type": "json_object"}}, "'response_format'"),
         ({"temperature": 1e-300}, "temperature"),
         ({"top_p": 1.5}, "top_p"),
@@ -123,3 +130,79 @@ async def test_a_clients_tiny_top_p_bans_nobody(pool: Pool):
     assert {n["state"] for n in state["nodes"]} == {"healthy"}
     assert {n["reputation"] for n in state["nodes"]} == {1.0}
     assert state["totals"]["rejections"] == 0
+
+
+ADD = {
+    "type": "function",
+    "function": {
+        "name": "add",
+        "description": "Add two integers.",
+        "parameters": {
+            "type": "object",
+            "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}},
+        },
+    },
+}
+
+
+async def test_tool_calls_through_the_pool_are_read_from_the_verified_rollout(pool: Pool):
+    """The official client with tools: a named tool_choice starts the assistant's turn
+    with the call's opening (in the signed prompt); what comes back, whole or streamed, is
+    parsed from the verified rollout's trusted text alone: tool calls, or (the tiny
+    model's random weights rarely write JSON) the text as written with finish reason
+    `invalid_tool_call`, never a server error. A conversation that carries a call and its
+    result is rendered by the trusted side as `protocol.tools` says."""
+    from protocol.openai import ChatCompletionRequest
+    from protocol.tools import parse
+
+    client = pool.openai(max_retries=0)
+    tok = ChatTokenizer(resolve_model("tiny"))
+    named = {"type": "function", "function": {"name": "add"}}
+    ask = CHAT | {"messages": [{"role": "user", "content": "1+2?"}], "max_tokens": 12}
+    whole = client.chat.completions.create(**ask, tools=[ADD], tool_choice=named)
+    chunks = list(
+        client.chat.completions.create(**ask, tools=[ADD], tool_choice=named, stream=True)
+    )
+    body = ChatCompletionRequest.model_validate(ask | {"tools": [ADD], "tool_choice": named})
+    ctx = body.tool_context()
+    (c,) = whole.choices
+    rid = c.model_extra["rollout_id"]
+    streamed = next(
+        ch.choices[0].model_extra["rollout_id"]
+        for ch in chunks
+        if ch.choices and ch.choices[0].finish_reason
+    )
+    signed = await released(pool, {rid, streamed})
+    r = signed[rid]
+    assert r.prompt_ids == tok.chat_ids(body.conversation()) + tok.encode(ctx.prefill)
+    content, calls, finish = parse(completion_text(r, tok.decode), ctx, rid)
+    assert c.finish_reason == finish in ("tool_calls", "invalid_tool_call")
+    assert c.message.content == content
+    assert [tc.model_dump() for tc in c.message.tool_calls or []] == calls
+    s = signed[streamed]
+    content, calls, finish = parse(completion_text(s, tok.decode), ctx, streamed)
+    got = "".join(ch.choices[0].delta.content or "" for ch in chunks if ch.choices)
+    assert got == (content or "")
+    assert [ch.choices[0].finish_reason for ch in chunks if ch.choices][-1] == finish
+
+    # The next turn: the call and its result, rendered by the trusted side.
+    history = ask["messages"] + [
+        {
+            "role": "assistant",
+            "content": None,
+            "tool_calls": [
+                {
+                    "id": "c1",
+                    "type": "function",
+                    "function": {"name": "add", "arguments": '{"a": 1, "b": 2}'},
+                }
+            ],
+        },  # fmt: skip
+        {"role": "tool", "tool_call_id": "c1", "content": "3"},
+    ]
+    follow = client.chat.completions.create(**(ask | {"messages": history}), tools=[ADD])
+    body = ChatCompletionRequest.model_validate(ask | {"messages": history, "tools": [ADD]})
+    assert follow.model_extra["prompt_token_ids"] == tok.chat_ids(body.conversation())
+    text = tok.decode(follow.model_extra["prompt_token_ids"])
+    assert '<tool_call>\n{"name": "add", "arguments": {"a": 1, "b": 2}}\n</tool_call>' in text
+    assert "<tool_response>\n3\n</tool_response>" in text

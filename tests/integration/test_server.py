@@ -250,7 +250,7 @@ def _json_cases():
             400,
         ),
         (
-            "tools (not supported)",
+            "tools (malformed)",
             json.dumps({"messages": [{"role": "user", "content": "a"}], "tools": [{}]}).encode(),
             400,
         ),
@@ -414,3 +414,54 @@ def test_the_openai_client_streams_and_gets_several_choices(node, client):
         json={"messages": [{"role": "user", "content": "x"}], "request_id": rids[0]},
     )
     assert r.status_code == 409 and "used before" in r.json()["error"]["message"]
+
+
+def test_the_openai_client_calls_tools_against_a_node(node, client):
+    """A standalone node renders a request's tools and reads calls out of its own signed
+    rollout as the scheduler does (`protocol.tools`): 'required' starts the turn with the
+    call's opening, which is in the signed prompt; the answer, whole or streamed, is the
+    parse of the signed completion (the tiny model's random weights rarely write JSON, so
+    mostly `invalid_tool_call` with the text as written); a tool message that answers no
+    call and a named choice outside the tools are 400s."""
+    from protocol.openai import ChatCompletionRequest
+    from protocol.tools import parse
+
+    n, _, _ = node
+    tool = {"type": "function", "function": {"name": "lookup", "parameters": {}}}
+    ask = dict(
+        model="tiny",
+        messages=[{"role": "user", "content": "find x"}],
+        max_tokens=10,
+        seed=3,
+        tools=[tool],
+        tool_choice="required",
+    )
+    whole = client.chat.completions.create(**ask)
+    chunks = list(client.chat.completions.create(**ask, stream=True))
+    (c,) = whole.choices
+    raw = httpx.get(f"{n.url}/v1/rollouts/{c.model_extra['rollout_id']}").content
+    signed = open_envelope(raw, Rollout, check_expiry=False).message
+    body = ChatCompletionRequest.model_validate(ask)
+    ctx = body.tool_context()
+    tok = n_tokenizer()
+    assert signed.prompt_ids[-len(tok.encode(ctx.prefill)) :] == tok.encode(ctx.prefill)
+    text = tok.decode(signed.completion_ids)
+    content, calls, finish = parse(text, ctx, signed.request_id)
+    assert c.finish_reason == finish in ("tool_calls", "invalid_tool_call")
+    assert c.message.content == content
+    assert [tc.model_dump() for tc in c.message.tool_calls or []] == calls
+    streamed = "".join(ch.choices[0].delta.content or "" for ch in chunks if ch.choices)
+    assert streamed == (content or "")  # same seed, same rollout
+    for bad, said in (
+        ({"messages": [{"role": "tool", "tool_call_id": "z", "content": "1"}]}, "matches none"),
+        ({"tool_choice": {"type": "function", "function": {"name": "other"}}}, "not in tools"),
+    ):
+        with pytest.raises(BadRequestError, match=said):
+            client.chat.completions.create(**(ask | bad))
+
+
+def n_tokenizer():
+    from protocol.tokenizer import ChatTokenizer
+    from verifier.models import resolve_model
+
+    return ChatTokenizer(resolve_model("tiny"))
