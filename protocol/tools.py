@@ -36,14 +36,9 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 CALL_OPEN, CALL_CLOSE = "<tool_call>", "</tool_call>"
-TOOLS_INTRO = (
-    "You may call one or more functions to assist with the user query. "
-    "The functions you can call, one JSON object per line:"
-)
+TOOLS_INTRO = "Functions you may call, one JSON object per line:"
 CALL_INSTRUCTIONS = (
-    "To call a function, write a JSON object with its name and arguments between "
-    f'{CALL_OPEN} and {CALL_CLOSE} tags:\n{CALL_OPEN}\n{{"name": <function-name>, '
-    f'"arguments": <args-json-object>}}\n{CALL_CLOSE}'
+    f'To call one, write {CALL_OPEN}\n{{"name": <name>, "arguments": <JSON object>}}\n{CALL_CLOSE}'
 )
 INVALID = "invalid_tool_call"
 _BLOCK = re.compile(re.escape(CALL_OPEN) + r"(.*?)" + re.escape(CALL_CLOSE), re.DOTALL)

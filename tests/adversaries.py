@@ -1022,6 +1022,39 @@ class TruncatingWorker(_raw_worker_base()):
         return self._signed(rollout)
 
 
+# What `forged-tool-call` makes every call of a tools request say (issue 29).
+FORGED_CALL = '{"name": "add", "arguments": {"a": 1, "b": 1}}'
+
+
+class ForgedToolCallWorker(_raw_worker_base()):
+    """Forges the tool call a client reads (issue 29): for a request whose prompt offers
+    tools (`protocol.tools.TOOLS_INTRO` in its decoded prompt), its completion becomes a
+    call block of its own choosing (`FORGED_CALL`: the sum 1 + 1, whatever was asked),
+    with logprobs and proof recomputed for those tokens by one prefill of the real model
+    (the cheapest honest-looking rollout); other requests it serves honestly. Since a
+    pool reads calls only from signed ids, the forgery has to be signed: caught by the
+    verifier's sampling replay (the tokens are not the seeded choice)."""
+
+    async def generate(self, request, top_logprobs=0):
+        from protocol.tools import CALL_CLOSE, CALL_OPEN, TOOLS_INTRO
+
+        done = await self._raw(request)
+        tok = self.engine.tokenizer
+        if TOOLS_INTRO not in tok.decode(list(request.prompt_ids)):
+            return self._signed(self._rollout(request, done))
+        text = f"{CALL_OPEN}\n{FORGED_CALL}\n{CALL_CLOSE}"
+        eos = [t for t in done.result.completion_ids[-1:] if t in self.engine.eos_token_ids]
+        ids = tok.encode(text, add_special_tokens=False)[: request.sampling.max_tokens - 1]
+        ids += eos or [next(iter(self.engine.eos_token_ids))]
+        if ids == done.result.completion_ids:  # the model wrote the forgery itself
+            return self._signed(self._rollout(request, done))
+        finish = "stop" if len(ids) < request.sampling.max_tokens else "length"
+        lied = self._rollout(request, done).model_copy(
+            update={"completion_ids": ids, "finish_reason": finish}
+        )
+        return self._signed(await self._recompute(lied))
+
+
 DISHONEST_WORKERS = {
     # generator cheats (verify honestly)
     "other-weights": OtherWeightsWorker,
@@ -1036,6 +1069,7 @@ DISHONEST_WORKERS = {
     "lying-json": LyingJsonWorker,
     "other-prompt": OtherPromptWorker,
     "truncating": TruncatingWorker,
+    "forged-tool-call": ForgedToolCallWorker,
     "int8-weights": Int8WeightsWorker,
     "int4-weights": Int4WeightsWorker,
     "fp8-weights": Fp8WeightsWorker,

@@ -264,10 +264,16 @@ class EnvConfig(Section):
     """A verifiers environment (classic in-process API, verifiers 0.3.x)."""
 
     id: str = "reverse-text"
-    """A bundled environment ('reverse-text', 'count-turns') or 'module:function' returning
-    a verifiers Environment."""
+    """A bundled environment ('reverse-text', 'reverse-text-chain', 'tool-arithmetic') or
+    'module:function' returning a verifiers Environment."""
     args: dict[str, Any] = {}
     """Keyword arguments for the environment's loader (e.g. {num_examples = 500})."""
+    max_turns: int | None = Field(None, ge=1)
+    """Cap on the assistant turns of an episode (None: the environment's own; a lower
+    environment value stands)."""
+    max_context_tokens: int | None = Field(None, ge=16)
+    """Cap on a turn's prompt in tokens: an episode whose next prompt would be longer ends
+    there (verifiers' `max_seq_len`; None: no cap beyond the pool's model length)."""
 
 
 class SamplingConfig(Section):

@@ -40,7 +40,7 @@ from protocol.tokenizer import ChatTokenizer
 from trainer.batch import Batch, TrainingSample, batch_path, oldest_admissible, write_batch
 from trainer.checkpoint import step_dir
 from trainer.config import OrchestratorConfig, check_pool_async_level, read_pool
-from trainer.envs import load_environment, openai_client
+from trainer.envs import load_environment, openai_client, tool_context
 from trainer.monitor import Monitor
 from trainer.rollouts import Verdict, build_samples, episodes_from_outputs
 from trainer.weights import make_transport
@@ -94,6 +94,7 @@ class Orchestrator:
         # The trusted decoding the rubric's text is checked against (the scheduler's too).
         self.tokenizer = ChatTokenizer(cfg.tokenizer or resolve_model(self.pool.model))
         self.env = load_environment(cfg.env)
+        self.tools = tool_context(self.env)  # how the trusted side reads this env's calls
         self.dataset = self.env.get_dataset()
         self.transport = make_transport(cfg.weights, cfg.run_dir)
         self.verdicts: dict[str, Verdict] = {}
@@ -199,7 +200,9 @@ class Orchestrator:
         )
         episodes = episodes_from_outputs(out["outputs"], f"{step}/{rnd}")
         await self._wait_verdicts([t.rollout_id for ep in episodes for t in ep.turns])
-        return build_samples(episodes, self.verdicts, min_version, self.tokenizer.decode)
+        return build_samples(
+            episodes, self.verdicts, min_version, self.tokenizer.decode, self.tools
+        )
 
     async def produce(self, client: SchedulerClient, step: int) -> dict[str, float]:
         cfg = self.cfg
@@ -210,7 +213,7 @@ class Orchestrator:
         chosen = [g for g in self.buffer if min(s.version for s in g) >= min_version][:needed]
         self.buffer = []
         rewards: list[float] = []
-        tokens = 0
+        tokens = turns = calls = invalid = 0
         counts: dict[str, int] = {}
         rounds = 0
         while len(chosen) < needed and rounds < cfg.max_rounds:
@@ -220,6 +223,8 @@ class Orchestrator:
             rounds += 1
             rewards += filt.rewards
             tokens += filt.completion_tokens
+            turns, calls = turns + filt.turns, calls + filt.tool_calls
+            invalid += filt.invalid_calls
             for k, v in filt.counts.items():
                 counts[k] = counts.get(k, 0) + v
             fresh = list(groups.values())
@@ -241,6 +246,10 @@ class Orchestrator:
             "completion_tokens": tokens,
             "pool_tokens_per_s": tokens / generate_s if generate_s > 0 else 0.0,
             "min_version": min_version,
+            "turns_per_episode": turns / len(rewards) if rewards else 0.0,
+            "tool_calls_per_episode": calls / len(rewards) if rewards else 0.0,
+            # Turns that opened a call block which did not parse, per call block written.
+            "tool_calls_invalid_share": invalid / (invalid + calls) if invalid + calls else 0.0,
             **{f"dropped_{k}": v for k, v in counts.items()},
         }
         if not samples:

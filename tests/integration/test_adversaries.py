@@ -615,6 +615,7 @@ def test_every_kind_is_a_worker_for_the_real_join():
         *CHEAPER_COMPUTE,
         *LAUNDER,
         "turncoat-launder",
+        "forged-tool-call",
         "reject-all",
         "accept-all",
         "corrupt-pieces",

@@ -31,6 +31,7 @@ from protocol.envelope import open_envelope
 from protocol.messages import Rollout
 from protocol.openai import completion_text
 from protocol.tokenizer import ChatTokenizer
+from protocol.tools import parse as parse_calls
 from tests.pools import Pool, make_pool, processes_with
 from tests.rl_runs import ENV, FAST_HEARTBEATS, REPO, rl_args
 from trainer.batch import batch_path, staleness
@@ -166,10 +167,11 @@ class FaultRun:
         )
 
 
-def check_signed(sample: dict, rollout: Rollout, decode) -> None:
+def check_signed(sample: dict, rollout: Rollout, decode, tools=None) -> None:
     """A trained sample is exactly its signed rollout: input ids are its prompt and
     completion ids, the loss mask covers the completion, mu on those positions is its
-    logprobs, and the text the rubric scored is its ids decoded on the trusted side."""
+    logprobs, and the text the rubric scored is its ids decoded on the trusted side (with
+    `tools`, a `protocol.tools.ToolContext`: the content the trusted side parses out)."""
     rid = sample["rollout_id"]
     n_prompt = len(rollout.prompt_ids)
     assert sample["input_ids"] == rollout.prompt_ids + rollout.completion_ids, f"{rid}: ids"
@@ -177,7 +179,10 @@ def check_signed(sample: dict, rollout: Rollout, decode) -> None:
     assert mask == [False] * n_prompt + [True] * len(rollout.completion_ids), f"{rid}: mask"
     mu = [lp for lp, m in zip(sample["logprobs"], mask, strict=True) if m]
     assert mu == rollout.logprobs, f"{rid}: trained mu differs from the signed logprobs"
-    assert sample["text"] == completion_text(rollout, decode), f"{rid}: scored text"
+    text = completion_text(rollout, decode)
+    if tools is not None:
+        text = parse_calls(text, tools, rollout.request_id)[0] or ""
+    assert sample["text"] == text, f"{rid}: scored text"
 
 
 def audit(
@@ -189,8 +194,10 @@ def audit(
     cheat_verifiers: set[str],
     honest: set[str],
     statistical: set[str] = frozenset(),
+    tools=None,
 ) -> dict:
     """Assert DESIGN.md section 3 on what the run left behind; returns the counts.
+    (`tools`: the environment's tool context, for `check_signed`.)
 
     `statistical` cheats (a subset of `cheat_generators`) deviate by less than honest noise
     on some rollouts (lower precision on a short completion: the tiny model's bf16 error on
@@ -260,7 +267,7 @@ def audit(
             envelope, unverified = released[rid]
             opened = open_envelope(envelope, Rollout, check_expiry=False)
             assert opened.sender_id == gen, f"{rid}: released rollout not signed by {gen}"
-            check_signed(s, opened.message, decode)
+            check_signed(s, opened.message, decode, tools)
             checked["signed_samples"] += 1
             checked["signed_tokens"] += len(opened.message.completion_ids)
             if not unverified:  # released by the pool's spot-check rate: no verdict

@@ -3,8 +3,9 @@ in-process; 0.4 runs rollouts in uv-managed subprocesses that download packages,
 training run must not depend on).
 
 `load_environment(EnvConfig)` returns a verifiers Environment: a bundled one by id, or any
-'module:function' that returns one. Bundled: 'reverse-text' (single turn) and
-'reverse-text-chain' (two turns, so the multi-turn path is exercised).
+'module:function' that returns one. Bundled: 'reverse-text' (single turn),
+'reverse-text-chain' (two turns, so the multi-turn path is exercised) and
+'tool-arithmetic' (tool calls, the tool run on the trusted side, bounded).
 
 Invariant: rewards are computed here, on the trusted side, by the environment's rubric;
 nothing a worker returns is taken as a reward.
@@ -17,11 +18,13 @@ import os
 from pathlib import Path
 from typing import Any
 
+from protocol.tools import ToolContext
 from trainer.config import EnvConfig
 
 BUNDLED = {
     "reverse-text": "trainer.envs.reverse_text:load_environment",
     "reverse-text-chain": "trainer.envs.reverse_text_chain:load_environment",
+    "tool-arithmetic": "trainer.envs.tool_arithmetic:load_environment",
 }
 
 
@@ -51,8 +54,29 @@ def openai_client(base_url: str, api_key_file: Path | None = None) -> Any:
 
 
 def load_environment(cfg: EnvConfig) -> Any:
-    """A verifiers Environment for `cfg` (with `cfg.args` passed to its loader)."""
-    return _resolve(BUNDLED.get(cfg.id, cfg.id))(**cfg.args)
+    """A verifiers Environment for `cfg` (with `cfg.args` passed to its loader), its turns
+    and context capped as `cfg` says."""
+    env = _resolve(BUNDLED.get(cfg.id, cfg.id))(**cfg.args)
+    if cfg.max_turns is not None:
+        current = getattr(env, "max_turns", -1)
+        env.max_turns = cfg.max_turns if current <= 0 else min(current, cfg.max_turns)
+    if cfg.max_context_tokens is not None:
+        env.set_max_seq_len(cfg.max_context_tokens)
+    return env
+
+
+def tool_context(env: Any) -> ToolContext | None:
+    """The tools an environment puts in front of the model (verifiers sends them as each
+    request's `tools`, tool_choice 'auto'), as the trusted side reads calls with them."""
+    from protocol.tools import FunctionDef, ToolDef, context
+
+    defs = getattr(env, "tool_defs", None) or []
+    tools = [
+        ToolDef(function=FunctionDef(name=t.name, description=t.description or "",
+                                     parameters=t.parameters or {}))
+        for t in defs
+    ]  # fmt: skip
+    return context(tools, None)
 
 
 def sft_examples(cfg: EnvConfig, num_examples: int, seed: int) -> list[dict]:
