@@ -319,7 +319,9 @@ def render(
                 message["content"] = content
                 if calls:
                     message["tool_calls"] = calls
-                finish = parsed or finish
+                    finish = parsed
+                elif parsed == tools_fmt.INVALID:
+                    choice["tool_call_error"] = tools_fmt.INVALID_DETAIL
             choice["message"] = message
             choice["logprobs"] = _chat_logprobs(r, token_text, top) if logprobs else None
         else:
@@ -356,9 +358,7 @@ def stream_chunks(answer: dict[str, Any], decode: Decode, include_usage: bool) -
     obj = "chat.completion.chunk" if chat else "text_completion"
     base = {k: answer[k] for k in ("id", "created", "model", "rollout_id")} | {"object": obj}
     for choice in answer["choices"]:
-        if chat and (
-            choice["message"].get("tool_calls") or choice["finish_reason"] == "invalid_tool_call"
-        ):
+        if chat and (choice["message"].get("tool_calls") or "tool_call_error" in choice):
             yield from _tool_chunks(base, choice)
             continue
         final = choice["message"]["content"] if chat else choice["text"]
@@ -405,7 +405,8 @@ def _tool_chunks(base: dict[str, Any], choice: dict[str, Any]) -> Iterator[dict]
         delta = {"tool_calls": [{"index": k, **call}]}
         yield base | {"choices": [{"index": index, "delta": delta, "finish_reason": None}]}
     last = {"index": index, "delta": {}, "finish_reason": choice["finish_reason"]}
-    yield base | {"choices": [last | {"rollout_id": choice["rollout_id"]}]}
+    last |= {k: choice[k] for k in ("rollout_id", "tool_call_error") if k in choice}
+    yield base | {"choices": [last]}
 
 
 async def respond(

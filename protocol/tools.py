@@ -21,8 +21,9 @@ Invariants: calls are parsed only from the trusted decoding of a rollout's signe
 (plus the prefill the trusted side itself put in the prompt), never from anyone's JSON;
 a call's id is derived from the rollout id and its position, so the same rollout always
 renders the same answer; a completion whose call blocks are not all well-formed JSON
-naming a function of the request comes back as the model wrote it, as content, with
-finish reason `invalid_tool_call` (never a server error); a `tool` message must answer a
+naming a function of the request comes back as the model wrote it, as content, with its
+own finish reason and `tool_call_error` beside it saying why (never a server error; a
+finish reason outside OpenAI's five is refused by the official client's types); a `tool` message must answer a
 call of an earlier assistant message, or the request is refused.
 """
 
@@ -40,7 +41,11 @@ TOOLS_INTRO = "Functions you may call, one JSON object per line:"
 CALL_INSTRUCTIONS = (
     f'To call one, write {CALL_OPEN}\n{{"name": <name>, "arguments": <JSON object>}}\n{CALL_CLOSE}'
 )
-INVALID = "invalid_tool_call"
+INVALID = "invalid_tool_call"  # parse's verdict on a malformed call (never a finish reason)
+INVALID_DETAIL = (
+    "the completion opened a <tool_call> block that is not a JSON object naming one of "
+    "the request's functions with object arguments, or never closed it"
+)
 _BLOCK = re.compile(re.escape(CALL_OPEN) + r"(.*?)" + re.escape(CALL_CLOSE), re.DOTALL)
 
 

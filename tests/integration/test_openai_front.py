@@ -149,11 +149,11 @@ async def test_tool_calls_through_the_pool_are_read_from_the_verified_rollout(po
     """The official client with tools: a named tool_choice starts the assistant's turn
     with the call's opening (in the signed prompt); what comes back, whole or streamed, is
     parsed from the verified rollout's trusted text alone: tool calls, or (the tiny
-    model's random weights rarely write JSON) the text as written with finish reason
-    `invalid_tool_call`, never a server error. A conversation that carries a call and its
+    model's random weights rarely write JSON) the text as written, its own finish reason
+    and `tool_call_error` beside it, never a server error. A conversation that carries a call and its
     result is rendered by the trusted side as `protocol.tools` says."""
     from protocol.openai import ChatCompletionRequest
-    from protocol.tools import parse
+    from protocol.tools import INVALID, parse
 
     client = pool.openai(max_retries=0)
     tok = ChatTokenizer(resolve_model("tiny"))
@@ -176,14 +176,17 @@ async def test_tool_calls_through_the_pool_are_read_from_the_verified_rollout(po
     r = signed[rid]
     assert r.prompt_ids == tok.chat_ids(body.conversation()) + tok.encode(ctx.prefill)
     content, calls, finish = parse(completion_text(r, tok.decode), ctx, rid)
-    assert c.finish_reason == finish in ("tool_calls", "invalid_tool_call")
+    assert c.finish_reason == ("tool_calls" if calls else r.finish_reason)
+    assert ("tool_call_error" in c.model_extra) == (finish == INVALID)
     assert c.message.content == content
     assert [tc.model_dump() for tc in c.message.tool_calls or []] == calls
     s = signed[streamed]
     content, calls, finish = parse(completion_text(s, tok.decode), ctx, streamed)
     got = "".join(ch.choices[0].delta.content or "" for ch in chunks if ch.choices)
     assert got == (content or "")
-    assert [ch.choices[0].finish_reason for ch in chunks if ch.choices][-1] == finish
+    last = [ch.choices[0] for ch in chunks if ch.choices][-1]
+    assert last.finish_reason == ("tool_calls" if calls else s.finish_reason)
+    assert ("tool_call_error" in last.model_extra) == (finish == INVALID)
 
     # The next turn: the call and its result, rendered by the trusted side.
     history = ask["messages"] + [

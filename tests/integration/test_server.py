@@ -421,10 +421,10 @@ def test_the_openai_client_calls_tools_against_a_node(node, client):
     rollout as the scheduler does (`protocol.tools`): 'required' starts the turn with the
     call's opening, which is in the signed prompt; the answer, whole or streamed, is the
     parse of the signed completion (the tiny model's random weights rarely write JSON, so
-    mostly `invalid_tool_call` with the text as written); a tool message that answers no
+    mostly the text as written with `tool_call_error` beside it); a tool message that answers no
     call and a named choice outside the tools are 400s."""
     from protocol.openai import ChatCompletionRequest
-    from protocol.tools import parse
+    from protocol.tools import INVALID, parse
 
     n, _, _ = node
     tool = {"type": "function", "function": {"name": "lookup", "parameters": {}}}
@@ -447,7 +447,8 @@ def test_the_openai_client_calls_tools_against_a_node(node, client):
     assert signed.prompt_ids[-len(tok.encode(ctx.prefill)) :] == tok.encode(ctx.prefill)
     text = tok.decode(signed.completion_ids)
     content, calls, finish = parse(text, ctx, signed.request_id)
-    assert c.finish_reason == finish in ("tool_calls", "invalid_tool_call")
+    assert c.finish_reason == ("tool_calls" if calls else signed.finish_reason)
+    assert ("tool_call_error" in c.model_extra) == (finish == INVALID)
     assert c.message.content == content
     assert [tc.model_dump() for tc in c.message.tool_calls or []] == calls
     streamed = "".join(ch.choices[0].delta.content or "" for ch in chunks if ch.choices)

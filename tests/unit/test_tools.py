@@ -53,10 +53,16 @@ def test_well_formed_calls_come_back_as_tool_calls_with_ids_from_the_rollout():
         call('{"name": "add", "arguments": {}}') + CALL_OPEN,
     ],
 )
-def test_a_malformed_call_comes_back_as_the_model_wrote_it_with_a_finish_reason_that_says_so(
-    text,
-):
+def test_a_malformed_call_comes_back_as_the_model_wrote_it_with_an_error_that_says_so(text):
     assert parse(text, CTX, "r") == (text, [], INVALID)
+    answer = render("chat", [_rollout(list(range(len(text))))], lambda xs: text[: len(xs)],
+                    lambda i: text[i], "m", False, tools=CTX)  # fmt: skip
+    (c,) = ChatCompletion.model_validate(answer).choices  # the official client's types
+    assert c.message.content == text and not c.message.tool_calls
+    assert c.finish_reason == "stop" and "not a JSON object" in c.model_extra["tool_call_error"]
+    chunks = [ChatCompletionChunk.model_validate(x) for x in stream_chunks(answer, None, False)]
+    assert "".join(ch.choices[0].delta.content or "" for ch in chunks) == text
+    assert chunks[-1].choices[0].finish_reason == "stop"
 
 
 def test_text_without_a_call_is_an_ordinary_answer():
