@@ -32,6 +32,7 @@ TOOL_ARGS = (
     "--orchestrator.env.max-context-tokens", "2048",
     "--orchestrator.sampling.max-tokens", "96",
     "--trainer.micro-batch-tokens", "1024",
+    "--trainer.optim.lr", "2e-4",
 )  # fmt: skip
 
 

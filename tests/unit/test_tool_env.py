@@ -66,6 +66,7 @@ async def test_a_failed_tool_ends_the_episode_with_reward_zero_and_a_log_line(ca
         await env.env_response(asked, state)
     assert "a tool failed, the episode ends" in caplog.text
     assert await env.tool_failed(state)
-    done = [{"role": "assistant", "content": "3"}]
+    done = [*asked, answer, {"role": "assistant", "content": "3"}]
     assert reward_sum(done, "3", state) == 0.0
     assert reward_sum(done, "3", ok_state) == 1.0
+    assert reward_sum(done[-1:], "3", ok_state) == 0.0  # answered without the tool

@@ -232,7 +232,7 @@ def signed(t: Turn, **lies) -> Rollout:
         seed=1,
         weights_version=0,
         weights_hash="h",
-        proof=[b"p"],
+        proof=[b"p"] * -(-n // 32),
     )
     return Rollout(**(fields | lies))
 
@@ -285,6 +285,39 @@ def test_a_turn_that_differs_from_its_signed_rollout_is_never_trained():
     groups, filt = build_samples(eps, verdicts, 0, decode)
     assert filt.counts == {"mismatch": 4, "uniform_group": 1}
     assert groups == {}
+
+
+def test_a_tool_call_the_environment_read_must_be_the_one_the_signed_ids_make():
+    """With tools (issue 29), the trusted side parses each turn's calls from the signed
+    text; an environment that ran another call (a forged id, name or arguments, or a call
+    where the ids hold none) trained nothing of that episode."""
+    from protocol.tools import ToolContext
+
+    tools = ToolContext(frozenset({"add"}))
+    block = '<tool_call>\n{"name": "add", "arguments": {"a": 1}}\n</tool_call>'
+    ids = [ord(c) for c in block]
+
+    def char_decode(xs: list[int]) -> str:
+        return "".join(chr(x) for x in xs)
+
+    def calling(rid: str, calls) -> Turn:
+        return Turn(rid, [1, 2], ids, [1] * len(ids), [-0.5] * len(ids), "", calls)
+
+    honest = [("call_ok_0", "add", '{"a": 1}')]
+    turns = {
+        "ok": calling("ok", honest),
+        "other_args": calling("other_args", [("call_other_args_0", "add", '{"a": 2}')]),
+        "other_id": calling("other_id", [("c9", "add", '{"a": 1}')]),
+        "no_call": calling("no_call", []),
+    }
+    verdicts = {rid: accepted(t, 0) for rid, t in turns.items()}
+    eps = [Episode("g", float(i), [t]) for i, t in enumerate(turns.values())]
+    eps.append(Episode("g", 9.0, [calling("ok2", [("call_ok2_0", "add", '{"a": 1}')])]))
+    verdicts["ok2"] = accepted(eps[-1].turns[0], 0)
+    groups, filt = build_samples(eps, verdicts, 0, char_decode, tools)
+    assert filt.counts == {"mismatch": 3}
+    assert [s.rollout_id for s in groups["g"]] == ["ok", "ok2"]
+    assert (filt.turns, filt.tool_calls, filt.invalid_calls) == (5, 4, 0)
 
 
 def test_groups_with_equal_rewards_carry_no_signal_and_are_counted():

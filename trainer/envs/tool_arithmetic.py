@@ -9,8 +9,9 @@ answers with the sum. Every assistant turn is its own rollout through the pool, 
 request carrying the whole conversation so far (tools, calls, results), written by the
 trusted side in `protocol.tools`' format.
 
-Reward, computed here from the conversation: the LCS ratio of the final answer and the
-sum (1.0 only for the exact sum; partial credit for near misses). A tool that raises,
+Reward, computed here from the conversation: 0 unless the model called the tool (a call
+the trusted side parsed); then the LCS ratio of the final answer and the sum (1.0 only
+for the exact sum; partial credit for near misses). A tool that raises,
 runs past its time or over its memory ends the episode with a reward of 0 and a log
 line. Data are generated from a seed; `sft_examples` gives the warm-up transcripts (one
 example per assistant turn, in the same format) from another seed range.
@@ -56,8 +57,18 @@ def final_answer(completion: Any) -> str:
     return ""
 
 
+def called_a_tool(completion: Any) -> bool:
+    for m in completion or []:
+        calls = m.get("tool_calls") if isinstance(m, dict) else getattr(m, "tool_calls", None)
+        if calls:
+            return True
+    return False
+
+
 def reward_sum(completion, answer: str, state, **_) -> float:
-    if state.get("tool_failed"):
+    """0 if a tool failed or none was called (the task is to add with the tool); else the
+    LCS ratio of the final answer and the sum."""
+    if state.get("tool_failed") or not called_a_tool(completion):
         return 0.0
     return lcs_ratio(final_answer(completion), answer)
 
