@@ -5,9 +5,10 @@ side by side in one invocation on this machine.
 Both runs: the tiny model after its SFT warm-up (tool-call transcripts for the tool run,
 `configs/rl/sft-tool-arithmetic-tiny.toml`; reverse-text for the single-turn one), a fresh
 pool of `--workers` real `prime-node join` workers on loopback, then `prime-trainer rl`
-for `--steps` steps with the same batch, group size, learning rate and trainer; the tool
-run on tool-arithmetic (add two numbers with the `add` tool, run on the trusted side),
-the single-turn run on reverse-text.
+for `--steps` steps with the same batch, group size and trainer (learning rate: 2e-4 for
+the tool run, as its test; reverse-text's 5e-4); the tool run on tool-arithmetic (add two
+numbers with the `add` tool, run on the trusted side), the single-turn run on
+reverse-text.
 
 Per step: mean reward, and for the tool run turns per episode, tool calls per episode and
 the share of call blocks that did not parse. Per run: the trainer's wall clock per step
@@ -45,10 +46,11 @@ from trainer.monitor import read_metrics  # noqa: E402
 
 TOOL = (
     "--orchestrator.env.id", "tool-arithmetic",
-    "--orchestrator.env.args", '{"num_examples": 32}',
+    "--orchestrator.env.args", '{"num_examples": 16}',
     "--orchestrator.env.max-turns", "4",
     "--orchestrator.env.max-context-tokens", "2048",
     "--orchestrator.sampling.max-tokens", "96",
+    "--trainer.optim.lr", "2e-4",
 )  # fmt: skip
 
 

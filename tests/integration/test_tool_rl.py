@@ -27,7 +27,7 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(1500)]
 
 TOOL_ARGS = (
     "--orchestrator.env.id", "tool-arithmetic",
-    "--orchestrator.env.args", '{"num_examples": 32}',
+    "--orchestrator.env.args", '{"num_examples": 16}',
     "--orchestrator.env.max-turns", "4",
     "--orchestrator.env.max-context-tokens", "2048",
     "--orchestrator.sampling.max-tokens", "96",
