@@ -50,6 +50,7 @@ HEAVY_FIRST = (
     "tests/swarm/test_faults.py",  # 860 s; SFT model
     "tests/integration/test_smollm2.py",  # 420 s; no SFT
     "tests/integration/test_rl_run.py",  # 525 s; SFT model
+    "tests/integration/test_tool_rl.py",  # 440 s; its own SFT model
     "tests/swarm/test_sybils.py",  # 600 s
     "tests/integration/test_evidence_pool.py",  # 340 s
     "tests/integration/test_adversaries.py",  # 295 s
