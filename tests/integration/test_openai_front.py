@@ -209,3 +209,8 @@ async def test_tool_calls_through_the_pool_are_read_from_the_verified_rollout(po
     text = tok.decode(follow.model_extra["prompt_token_ids"])
     assert '<tool_call>\n{"name": "add", "arguments": {"a": 1, "b": 2}}\n</tool_call>' in text
     assert "<tool_response>\n3\n</tool_response>" in text
+    # What a client asked (tools, a forced call) cost no honest worker anything.
+    await released(pool, {follow.choices[0].model_extra["rollout_id"]})
+    state = pool.state()
+    assert {n["state"] for n in state["nodes"]} == {"healthy"}
+    assert state["totals"]["rejections"] == 0
