@@ -217,21 +217,17 @@ class NodeServer:
             for i, rid in enumerate(ids)
         ]
 
-    def _chat_ids(self, messages, add_generation_prompt: bool = True, body=None) -> list[int]:
+    def _chat_ids(self, conv: list[dict], add_generation_prompt: bool = True, prefill: str = ""):
         """A chat prompt's ids: the template over the plain conversation (tools and calls
         written in `protocol.tools`' format), then the tool prefill's own ids."""
         tok = self.worker.engine.tokenizer
         if not tok.chat_template:
             raise RequestRejected("this model has no chat template; use /v1/completions")
-        conv = body.conversation() if body is not None else conversation(messages)
         ids = tok.apply_chat_template(
             conv, add_generation_prompt=add_generation_prompt, tokenize=True
         )
         ids = list(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids)
-        ctx = body.tool_context() if body is not None else None
-        if ctx is not None and ctx.prefill:
-            ids += tok.encode(ctx.prefill, add_special_tokens=False)
-        return ids
+        return ids + (tok.encode(prefill, add_special_tokens=False) if prefill else [])
 
     def _decode(self, ids: list[int]) -> str:
         return self.worker.engine.tokenizer.decode(ids, skip_special_tokens=True)
@@ -303,7 +299,7 @@ class NodeServer:
         self._check_openai_caller(request)
         body = await read_json(request, ChatCompletionRequest)
         top = (body.top_logprobs or 0) if body.logprobs else 0
-        ids = self._chat_ids(body.messages, body=body)
+        ids = self._chat_ids(body.conversation(), prefill=body.prefill())
         return await self._openai_generate(request, "chat", body, ids, top, body.logprobs)
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
@@ -327,7 +323,7 @@ class NodeServer:
         body = await read_json(request, TokenizeRequest)
         tok = self.worker.engine.tokenizer
         if body.messages is not None:
-            ids = self._chat_ids(body.messages, body.add_generation_prompt)
+            ids = self._chat_ids(conversation(body.messages), body.add_generation_prompt)
         else:
             ids = tok.encode(body.prompt, add_special_tokens=body.add_special_tokens)
         return web.json_response(

@@ -216,6 +216,11 @@ class ChatCompletionRequest(_OpenAIRequest):
     def conversation(self) -> list[dict[str, str]]:
         return conversation(self.messages, self.tools, self.tool_choice)
 
+    def prefill(self) -> str:
+        """What the trusted side starts the assistant's turn with ('' : nothing)."""
+        ctx = self.tool_context()
+        return ctx.prefill if ctx is not None else ""
+
 
 class CompletionRequest(_OpenAIRequest):
     prompt: str | list[int]

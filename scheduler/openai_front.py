@@ -129,7 +129,7 @@ class OpenAIFront:
         body = await read_json(request, TokenizeRequest)
         tok = self._tok()
         if body.messages is not None:
-            ids = self._chat_ids(body.messages, body.add_generation_prompt)
+            ids = self._chat_ids(conversation(body.messages), body.add_generation_prompt)
         else:
             ids = tok.encode(body.prompt or "")
         return web.json_response({"tokens": ids, "count": len(ids)})
@@ -142,7 +142,8 @@ class OpenAIFront:
                 text="top_logprobs is not offered by a pool (it is not part of what is "
                 "verified); ask for logprobs only"
             )
-        return await self._serve(request, "chat", body, self._chat_ids(body.messages, body=body))
+        ids = self._chat_ids(body.conversation(), prefill=body.prefill())
+        return await self._serve(request, "chat", body, ids)
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
         self.authorize(request)
@@ -155,18 +156,16 @@ class OpenAIFront:
         return await self._serve(request, "completion", body, prompt)
 
     # -- one call -------------------------------------------------------------------------
-    def _chat_ids(self, messages, add_generation_prompt: bool = True, body=None) -> list[int]:
+    def _chat_ids(
+        self, conv: list[dict], add_generation_prompt: bool = True, prefill: str = ""
+    ) -> list[int]:
         """As a node computes them (`node.server`): the template over the plain
         conversation, then the tool prefill's own ids."""
-        conv = body.conversation() if body is not None else conversation(messages)
-        ctx = body.tool_context() if body is not None else None
         try:
             ids = self._tok().chat_ids(conv, add_generation_prompt)
         except (TokenizerError, TemplateError) as exc:
             raise web.HTTPBadRequest(text=str(exc)) from exc
-        if ctx is not None and ctx.prefill:
-            ids += self._tok().encode(ctx.prefill)
-        return ids
+        return ids + (self._tok().encode(prefill) if prefill else [])
 
     async def _serve(self, request: web.Request, kind, body, prompt_ids: list[int]):
         tok = self._tok()

@@ -29,6 +29,20 @@ FAST_HEARTBEATS = (
 )  # fmt: skip
 
 
+# `rl_args` flags that turn the reverse-text run into the tool run (issue 29): tool-arithmetic
+# on 16 problems, turns and context capped, room for a call block, one sample per packed
+# row (about 500-token prompts), a learning rate the tool run is stable at.
+TOOL_RL_ARGS = (
+    "--orchestrator.env.id", "tool-arithmetic",
+    "--orchestrator.env.args", '{"num_examples": 16}',
+    "--orchestrator.env.max-turns", "4",
+    "--orchestrator.env.max-context-tokens", "2048",
+    "--orchestrator.sampling.max-tokens", "96",
+    "--trainer.micro-batch-tokens", "1024",
+    "--trainer.optim.lr", "2e-4",
+)  # fmt: skip
+
+
 class RunFailed(AssertionError):
     """A child command of the run exited non-zero (the message holds its log tail)."""
 

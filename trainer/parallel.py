@@ -125,13 +125,16 @@ def gather_full_state_dict(
     for bf16)."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
-    def own(v: torch.Tensor) -> torch.Tensor:
-        t = v.detach()
-        t = t.to(dtype if dtype is not None and t.is_floating_point() else None).cpu()
-        return t.clone() if t.data_ptr() == v.data_ptr() else t
+    def cast(v: torch.Tensor) -> torch.Tensor:
+        return v.detach().to(dtype if dtype is not None and v.is_floating_point() else None)
 
     if not is_distributed():
-        return {k: own(v) for k, v in policy.lm.state_dict().items()}
+        # The live parameters: copied unless the cast or the move to CPU made a new tensor.
+        out = {}
+        for k, v in policy.lm.state_dict().items():
+            t = cast(v).cpu()
+            out[k] = t.clone() if t.data_ptr() == v.data_ptr() else t
+        return out
     opts = StateDictOptions(full_state_dict=True, cpu_offload=True)
-    state = get_model_state_dict(policy, options=opts)
-    return {k.removeprefix("lm."): own(v) for k, v in state.items()}
+    state = get_model_state_dict(policy, options=opts)  # already gathered into new tensors
+    return {k.removeprefix("lm."): cast(v) for k, v in state.items()}

@@ -174,12 +174,20 @@ def matches_signed(
     offered, `protocol.tools.parse`)."""
     if turn.prompt_ids != rollout.prompt_ids or turn.completion_ids != rollout.completion_ids:
         return False
+    return (turn.text, turn.tool_calls) == trusted_reading(rollout, decode, tools)
+
+
+def trusted_reading(
+    rollout: Rollout, decode: Decode, tools: ToolContext | None = None
+) -> tuple[str, list[tuple[str, str, str]]]:
+    """What a client of the pool reads of a signed rollout: the assistant's text and its
+    calls (id, name, arguments), parsed with `tools` (None: the whole text, no call)."""
     text = completion_text(rollout, decode)
     if tools is None:
-        return turn.text == text and not turn.tool_calls
+        return text, []
     content, calls, _ = parse_calls(text, tools, rollout.request_id)
     seen = [(c["id"], c["function"]["name"], c["function"]["arguments"]) for c in calls]
-    return turn.text == (content or "") and turn.tool_calls == seen
+    return content or "", seen
 
 
 def episode_verdict(

@@ -35,6 +35,7 @@ from rich.console import Console  # noqa: E402
 from rich.table import Table  # noqa: E402
 
 from tests.rl_runs import (  # noqa: E402
+    TOOL_RL_ARGS,
     RunFailed,
     check_finished,
     rl_args,
@@ -43,15 +44,6 @@ from tests.rl_runs import (  # noqa: E402
     trainer_cli,
 )
 from trainer.monitor import read_metrics  # noqa: E402
-
-TOOL = (
-    "--orchestrator.env.id", "tool-arithmetic",
-    "--orchestrator.env.args", '{"num_examples": 16}',
-    "--orchestrator.env.max-turns", "4",
-    "--orchestrator.env.max-context-tokens", "2048",
-    "--orchestrator.sampling.max-tokens", "96",
-    "--trainer.optim.lr", "2e-4",
-)  # fmt: skip
 
 
 def sft(run: Path, config: str) -> Path:
@@ -65,7 +57,9 @@ def sft(run: Path, config: str) -> Path:
 
 def run_one(name: str, model: Path, work: Path, args: argparse.Namespace, extra) -> dict:
     size = ("--max-steps", str(args.steps), "--batch-size", str(args.batch_size))
-    size += ("--group-size", str(args.group_size), "--trainer.micro-batch-tokens", "1024")
+    size += ("--group-size", str(args.group_size))
+    if not extra:  # the single-turn run packs as the tool run (TOOL_RL_ARGS) does
+        size += ("--trainer.micro-batch-tokens", "1024")
     with serving_pool(work / name, model, workers=args.workers) as pool:
         run = work / name / "run"
         check_finished(trainer_cli(*rl_args(pool, model, run, *size, *extra), timeout=3600), run)
@@ -136,7 +130,7 @@ def main(argv: list[str] | None = None) -> None:
     tool_model = sft(work / "sft-tools", "configs/rl/sft-tool-arithmetic-tiny.toml")
     text_model, _ = sft_warmup(work / "sft-text")
     rows = [
-        run_one("tool-arithmetic", tool_model, work, args, TOOL),
+        run_one("tool-arithmetic", tool_model, work, args, TOOL_RL_ARGS),
         run_one("reverse-text", text_model, work, args, ()),
     ]
     tool, single = rows

@@ -17,23 +17,21 @@ import math
 import pytest
 import torch
 
-from tests.rl_runs import RunFailed, check_finished, rl_args, serving_pool, summarize, trainer_cli
+from tests.rl_runs import (
+    TOOL_RL_ARGS,
+    RunFailed,
+    check_finished,
+    rl_args,
+    serving_pool,
+    summarize,
+    trainer_cli,
+)
 from tests.swarm.harness import audit
 from trainer.batch import batch_path
 from trainer.monitor import read_metrics
 from verifier.models import load_tokenizer
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(1500)]
-
-TOOL_ARGS = (
-    "--orchestrator.env.id", "tool-arithmetic",
-    "--orchestrator.env.args", '{"num_examples": 16}',
-    "--orchestrator.env.max-turns", "4",
-    "--orchestrator.env.max-context-tokens", "2048",
-    "--orchestrator.sampling.max-tokens", "96",
-    "--trainer.micro-batch-tokens", "1024",
-    "--trainer.optim.lr", "2e-4",
-)  # fmt: skip
 
 
 @pytest.fixture(scope="module")
@@ -54,7 +52,7 @@ def test_tool_rl_through_a_pool_with_a_call_forger(tmp_path, tool_model):
     steps = 24
     with serving_pool(tmp_path, tool_model, workers=4, dishonest=["forged-tool-call"]) as pool:
         run = tmp_path / "run"
-        args = rl_args(pool, tool_model, run, *TOOL_ARGS, "--max-steps", str(steps))
+        args = rl_args(pool, tool_model, run, *TOOL_RL_ARGS, "--max-steps", str(steps))
         check_finished(trainer_cli(*args, timeout=1200), run)
         forger = pool.node_id("d0")
         honest = {pool.node_id(f"w{i}") for i in range(3)}
@@ -98,7 +96,7 @@ def test_a_verifiers_tool_env_nobody_here_wrote_runs_through_the_pool(tmp_path, 
     with serving_pool(tmp_path, tool_model, workers=3) as pool:
         run = tmp_path / "run"
         args = rl_args(
-            pool, tool_model, run, *TOOL_ARGS, "--max-steps", "2", "--batch-size", "16",
+            pool, tool_model, run, *TOOL_RL_ARGS, "--max-steps", "2", "--batch-size", "16",
             "--group-size", "4", "--orchestrator.env.id", "tests.envs.vf_docs_tool_env:load_environment",
             "--orchestrator.env.args", "{}",
         )  # fmt: skip

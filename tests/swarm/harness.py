@@ -29,13 +29,12 @@ import torch
 
 from protocol.envelope import open_envelope
 from protocol.messages import Rollout
-from protocol.openai import completion_text
 from protocol.tokenizer import ChatTokenizer
-from protocol.tools import parse as parse_calls
 from tests.pools import Pool, make_pool, processes_with
 from tests.rl_runs import ENV, FAST_HEARTBEATS, REPO, rl_args
 from trainer.batch import batch_path, staleness
 from trainer.monitor import read_metrics
+from trainer.rollouts import trusted_reading
 
 ASYNC_LEVEL = 2
 
@@ -179,10 +178,7 @@ def check_signed(sample: dict, rollout: Rollout, decode, tools=None) -> None:
     assert mask == [False] * n_prompt + [True] * len(rollout.completion_ids), f"{rid}: mask"
     mu = [lp for lp, m in zip(sample["logprobs"], mask, strict=True) if m]
     assert mu == rollout.logprobs, f"{rid}: trained mu differs from the signed logprobs"
-    text = completion_text(rollout, decode)
-    if tools is not None:
-        text = parse_calls(text, tools, rollout.request_id)[0] or ""
-    assert sample["text"] == text, f"{rid}: scored text"
+    assert sample["text"] == trusted_reading(rollout, decode, tools)[0], f"{rid}: scored text"
 
 
 def audit(

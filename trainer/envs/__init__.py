@@ -18,7 +18,7 @@ import os
 from pathlib import Path
 from typing import Any
 
-from protocol.tools import ToolContext
+from protocol.tools import FunctionDef, ToolContext, ToolDef, context
 from trainer.config import EnvConfig
 
 BUNDLED = {
@@ -65,18 +65,19 @@ def load_environment(cfg: EnvConfig) -> Any:
     return env
 
 
-def tool_context(env: Any) -> ToolContext | None:
-    """The tools an environment puts in front of the model (verifiers sends them as each
-    request's `tools`, tool_choice 'auto'), as the trusted side reads calls with them."""
-    from protocol.tools import FunctionDef, ToolDef, context
-
-    defs = getattr(env, "tool_defs", None) or []
-    tools = [
+def request_tools(defs: list[Any]) -> list[ToolDef]:
+    """verifiers `Tool`s as a request carries them (what its OpenAI client sends)."""
+    return [
         ToolDef(function=FunctionDef(name=t.name, description=t.description or "",
                                      parameters=t.parameters or {}))
         for t in defs
     ]  # fmt: skip
-    return context(tools, None)
+
+
+def tool_context(env: Any) -> ToolContext | None:
+    """The tools an environment puts in front of the model (verifiers sends them as each
+    request's `tools`, tool_choice 'auto'), as the trusted side reads calls with them."""
+    return context(request_tools(getattr(env, "tool_defs", None) or []), None)
 
 
 def sft_examples(cfg: EnvConfig, num_examples: int, seed: int) -> list[dict]:

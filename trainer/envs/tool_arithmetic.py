@@ -25,7 +25,7 @@ import random
 from typing import Any
 
 from protocol.openai import ChatMessage, conversation
-from protocol.tools import FunctionDef, ToolDef, call_text
+from protocol.tools import ToolDef, call_text
 from trainer.envs.reverse_text import lcs_ratio
 from trainer.envs.tool_sandbox import ToolFailed, ToolRunner
 
@@ -49,6 +49,8 @@ def question(numbers: list[int]) -> str:
 
 
 def final_answer(completion: Any) -> str:
+    # Not trainer.rollouts.scored_text: that module imports torch, and this one is
+    # imported by every tool worker (to unpickle `add`) under its memory cap.
     for m in reversed(completion or []):
         role = m.get("role") if isinstance(m, dict) else getattr(m, "role", "")
         if role == "assistant":
@@ -130,9 +132,9 @@ def tool_defs() -> list[ToolDef]:
     """The tools as a request carries them (what verifiers' client sends for `add`)."""
     from verifiers.legacy.utils.tool_utils import convert_func_to_tool_def
 
-    t = convert_func_to_tool_def(add)
-    return [ToolDef(function=FunctionDef(name=t.name, description=t.description,
-                                         parameters=t.parameters))]  # fmt: skip
+    from trainer.envs import request_tools
+
+    return request_tools([convert_func_to_tool_def(add)])
 
 
 def transcript(numbers: list[int]) -> list[tuple[list[dict], str]]:
