@@ -430,6 +430,10 @@ class RolloutSpec(Message):
     """Sampling parameters."""
     min_version: int = Field(0, ge=0)
     """Lowest admissible weights version for the generator."""
+    priority: int = Field(0, ge=0, le=100)
+    """Queue order at the scheduler: lower goes first (as vLLM's `priority`); 0, the
+    default, is training's. An orchestrator's online evaluation asks for 1, so it takes
+    only capacity that training leaves idle. Never negative: no client outranks training."""
 
     _check_prompt_ids = field_validator("prompt_ids")(check_token_ids_non_negative)
 

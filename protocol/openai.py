@@ -93,6 +93,9 @@ class _OpenAIRequest(BaseModel):
     ignore_eos: bool = False
     min_version: int = Field(0, ge=0)
     """Lowest admissible weights version (the scheduler's front; ignored by a node)."""
+    priority: int = Field(0, ge=0, le=100)
+    """Queue order at the scheduler's front, lower first (as vLLM's; `RolloutSpec.priority`);
+    ignored by a node, which serves what it is sent."""
 
     @model_validator(mode="before")
     @classmethod

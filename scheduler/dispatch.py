@@ -262,7 +262,7 @@ class Dispatcher:
 
     @property
     def queued(self) -> int:
-        return len(self.jobs.queue)
+        return self.jobs.queued
 
     @property
     def open_requests(self) -> int:

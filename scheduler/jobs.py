@@ -17,7 +17,10 @@ Invariants:
   (`withdraw` succeeds once), and a job that is not open is never handed out by the queue
   (`next_open` drops it).
 - New work is refused (`Saturated`) once the queue would exceed `max_queued`; a job put
-  back for another generator goes to the front of the queue.
+  back for another generator goes to the front of its priority's queue.
+- The queue hands out jobs by priority (`RolloutSpec.priority`, lower first, as vLLM's),
+  first come first served within one: a lower-priority job (an orchestrator's online
+  evaluation) never goes before a waiting job of a higher one (its training requests).
 - A `Release` cannot be built without its generator (`Generated.gen`): whoever releases it
   can always wait for that generator's settlement and check it is not banned.
 """
@@ -127,18 +130,30 @@ class Judged:
 
 
 class JobTable(dict[str, Job]):
-    """The open jobs by request id, and `queue`: those waiting for a generator, in order."""
+    """The open jobs by request id, and the queues of those waiting for a generator: one
+    per priority, each in order."""
 
     def __init__(self, max_queued: int):
         super().__init__()
         self.max_queued = max_queued
-        self.queue: deque[Job] = deque()
+        self.queues: dict[int, deque[Job]] = {}
+
+    @property
+    def queued(self) -> int:
+        """Jobs waiting for a generator (closed ones still queued included)."""
+        return sum(len(q) for q in self.queues.values())
+
+    def _queue(self, job: Job) -> deque[Job]:
+        priority = job.spec.priority
+        if priority not in self.queues:
+            self.queues = dict(sorted({**self.queues, priority: deque()}.items()))
+        return self.queues[priority]
 
     def new_jobs(self, specs: list[RolloutSpec], source: Source) -> list[Job]:
         """Jobs for the specs whose ids are not open (they are not queued yet)."""
-        if len(self.queue) + len(specs) > self.max_queued:
+        if self.queued + len(specs) > self.max_queued:
             raise Saturated(
-                f"pool is saturated: {len(self.queue)} requests queued "
+                f"pool is saturated: {self.queued} requests queued "
                 f"(limit {self.max_queued}); retry later"
             )
         ids = [s.request_id for s in specs]
@@ -153,7 +168,7 @@ class JobTable(dict[str, Job]):
         """Open `jobs` and queue them."""
         for job in jobs:
             self[job.request_id] = job
-            self.queue.append(job)
+            self._queue(job).append(job)
 
     def is_open(self, job: Job) -> bool:
         return self.get(job.request_id) is job
@@ -166,19 +181,22 @@ class JobTable(dict[str, Job]):
         return True
 
     def requeue(self, job: Job) -> None:
-        """Put an open job back at the front of the queue, for another generator."""
+        """Put an open job back at the front of its queue, for another generator."""
         job.queued_at = time.monotonic()
-        self.queue.appendleft(job)
+        self._queue(job).appendleft(job)
 
     def next_open(self) -> Job | None:
-        """Take the first open job off the queue (closed ones are dropped); None if empty."""
-        while self.queue:
-            job = self.queue.popleft()
-            if self.is_open(job):
-                return job
+        """Take the first open job of the most urgent priority off the queues (closed ones
+        are dropped); None if every queue is empty."""
+        for queue in self.queues.values():
+            while queue:
+                job = queue.popleft()
+                if self.is_open(job):
+                    return job
         return None
 
     def put_back(self, waiting: deque[Job]) -> None:
-        """Jobs taken by `next_open` but not dispatched return ahead of the rest, in order."""
-        waiting.extend(self.queue)
-        self.queue = waiting
+        """Jobs taken by `next_open` but not dispatched return ahead of the rest of their
+        queue, in order."""
+        for job in reversed(waiting):
+            self._queue(job).appendleft(job)

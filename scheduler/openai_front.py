@@ -176,6 +176,7 @@ class OpenAIFront:
                 prompt_ids=prompt_ids,
                 sampling=sampling,
                 min_version=body.min_version,
+                priority=body.priority,
             )
             for _ in range(body.n)
         ]

@@ -288,6 +288,93 @@ class SamplingConfig(Section):
     """Completion length cap per turn."""
 
 
+class OnlineEvalConfig(Section):
+    """Evaluation while an RL run trains (`[orchestrator.eval]`, as prime-rl's): every
+    `interval` versions the orchestrator scores the newest policy on fixed prompts of
+    each environment, through the same signed, verified path as training, at a lower
+    priority at the scheduler, so it takes only capacity training leaves idle. Scores go
+    to `<run_dir>/logs/eval_metrics.jsonl` (per version), the live view and curves.png."""
+
+    envs: list[EnvConfig] = []
+    """Environments evaluated, each scored on its own; empty: no online evaluation."""
+    interval: int = Field(10, ge=1)
+    """Evaluate versions 0, interval, 2 x interval, ... (the newest one the pool holds
+    when a step starts; a version the run skipped past is not evaluated)."""
+    num_examples: int = Field(32, ge=1)
+    """Prompts per environment: the first of its eval split (its training set when it has
+    none), the same ones at every evaluation."""
+    rollouts_per_example: int = Field(1, ge=1)
+    """Samples per prompt."""
+    sampling: SamplingConfig = SamplingConfig()
+    """Sampling of evaluation requests (independent of training's)."""
+    pass_threshold: float = 1.0
+    """An evaluated episode passes at this reward or above (`pass_rate` beside the mean)."""
+    priority: int = Field(1, ge=1, le=100)
+    """Queue priority at the scheduler (lower first; training's is 0)."""
+    final: bool = True
+    """Also evaluate the run's last version once the trainer has published it (the run
+    ends when that evaluation is written)."""
+    max_concurrent: int = Field(32, ge=1)
+    """Evaluation episodes in flight at once."""
+    timeout_s: float = Field(600.0, gt=0)
+    """An evaluation ends this long after it started; episodes still unverified are
+    reported as missing, never scored."""
+
+
+class BufferConfig(Section):
+    """Online difficulty filtering (`[orchestrator.buffer]`, as prime-rl's buffer): each
+    prompt's recent pass rate is tracked from its verified rollouts; a prompt the policy
+    (almost) always solves or never solves, or (`flat`) answers with the same reward
+    every time, is set aside, since its group would most likely come back all-equal and
+    be dropped after the pool paid for it, and revisited at `revisit`. The state is part
+    of the orchestrator's checkpoint."""
+
+    enabled: bool = False
+    """Sample prompts by difficulty (off: uniformly, as before; pass rates are tracked
+    and reported either way)."""
+    pass_threshold: float = 1.0
+    """A verified rollout passes at this reward or above."""
+    window: int = Field(16, ge=1)
+    """A prompt's pass rate is over its last this many verified rollouts."""
+    min_seen: int = Field(8, ge=1)
+    """Verified rollouts of a prompt before it may be set aside."""
+    easy_threshold: float = Field(1.0, gt=0, le=1)
+    """A pass rate at or above this sets the prompt aside as easy."""
+    hard_threshold: float | None = Field(0.0, ge=0, lt=1)
+    """A pass rate at or below this sets the prompt aside as hard (None: never; for a
+    graded reward, where failing every time can still carry signal)."""
+    flat: bool = True
+    """Also set aside a prompt whose recent rewards are all equal (with a graded reward,
+    the policy giving one answer every time: its group carries no signal)."""
+    revisit: float = Field(0.1, ge=0, le=1)
+    """Chance that a round's prompt is drawn from the set-aside ones (their pass rate is
+    measured again: a prompt the policy forgot, or now learns, comes back)."""
+
+    @model_validator(mode="after")
+    def check_thresholds(self) -> Self:
+        if self.hard_threshold is not None and self.hard_threshold >= self.easy_threshold:
+            raise ValueError(
+                f"buffer.hard_threshold ({self.hard_threshold}) must be below "
+                f"buffer.easy_threshold ({self.easy_threshold})"
+            )
+        return self
+
+
+class GroupsConfig(Section):
+    """Groups that survive lost rollouts (`[orchestrator.groups]`): a rollout rejected,
+    failed, lost to a ban or cut off at the deadline is generated again for the same
+    prompt, up to `max_reschedules` per group; a group still short is trained at its
+    smaller size if its advantages carry signal. Nothing unverified is ever trained."""
+
+    max_reschedules: int = Field(3, ge=0)
+    """Rollouts generated again per group, within the round's deadline."""
+    min_size: int = Field(2, ge=2)
+    """Fewest verified episodes a group is trained with (advantages are over those)."""
+    deadline_s: float = Field(300.0, gt=0)
+    """A round ends this long after it started: stragglers are cut off (counted as
+    `dropped_straggler`) and no step waits on one longer."""
+
+
 class OrchestratorConfig(BatchShape, RunShape):
     """`prime-trainer orchestrate`: environment -> rollout requests -> verified, scored batches."""
 
@@ -316,8 +403,22 @@ class OrchestratorConfig(BatchShape, RunShape):
     max_rounds: int = Field(8, ge=1)
     """Generation rounds per step before a step goes ahead with fewer groups than asked
     (all-equal groups are dropped; a step must not spin forever on an easy dataset)."""
+    buffer: BufferConfig = BufferConfig()
+    """Which prompts a round samples (online difficulty filtering)."""
+    groups: GroupsConfig = GroupsConfig()
+    """Rescheduling, partial groups and the stragglers' deadline."""
+    eval: OnlineEvalConfig = OnlineEvalConfig()
+    """Online evaluation through the pool."""
 
     _check_api_key_file = field_validator("api_key_file")(check_api_key_file_exists)
+
+    @model_validator(mode="after")
+    def check_group_minimum(self) -> Self:
+        if self.groups.min_size > self.group_size:
+            raise ValueError(
+                f"groups.min_size ({self.groups.min_size}) exceeds group_size ({self.group_size})"
+            )
+        return self
 
 
 class RLTrainerConfig(TrainerConfig):

@@ -9,7 +9,8 @@ orchestrator on that pool. Each child gets its resolved config in `<run_dir>/con
 
 Invariants: one process-management path for every child (`Launch` over
 `ManagedProcess`, which also kills children if the parent dies); the run ends when the
-trainer finishes, and fails as soon as any child fails (a non-zero exit, or a pool
+trainer and then the orchestrator finished (it may still evaluate the last version),
+and fails as soon as any child fails (a non-zero exit, or a pool
 service exiting at all), naming the child and showing its log tail; on success, failure,
 Ctrl-C or SIGTERM every child is stopped, the curves PNG and `summary.json` are written.
 """
@@ -189,6 +190,9 @@ def run_rl(cfg: RLConfig, console: Console) -> int:
                 launch.start(child)
             view.phase = "training"
             launch.wait_exit("trainer", view.poll)
+            # The orchestrator is done by now, unless it evaluates the last version.
+            view.phase = "evaluating"
+            launch.wait_exit("orchestrator", view.poll)
             outcome = "finished"
     except ChildFailed as exc:
         name = str(exc)

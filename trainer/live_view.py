@@ -47,6 +47,8 @@ class RunView:
         self.started = time.monotonic()
         self.trained: list[dict] = []
         self.made: list[dict] = []
+        self.evals: list[dict] = []
+        """Online evaluation rows, one per evaluated version (`[orchestrator.eval]`)."""
         self.pool: dict | None = None
         self.worker_urls = worker_urls or {}
         """Worker name -> its /health URL (a local swarm's workers, on loopback)."""
@@ -56,6 +58,7 @@ class RunView:
     def poll(self) -> None:
         self.trained = read_metrics(self.run_dir, "trainer")
         self.made = read_metrics(self.run_dir, "orchestrator")
+        self.evals = read_metrics(self.run_dir, "eval")
         if self.scheduler_url:
             try:
                 r = httpx.get(f"{self.scheduler_url}/v1/dashboard/state", timeout=1.0)
@@ -103,6 +106,19 @@ class RunView:
             f"{_fmt(o.get('reward_mean'))} (step 1: {_fmt(first)}, batch of "
             f"{o.get('episodes', 0)} episodes)",
         )
+        if self.evals:
+            e = self.evals[-1]
+            scores = "  ".join(
+                f"{k.split('/')[1]} {_fmt(v)}" for k, v in e.items() if k.endswith("/reward_mean")
+            )
+            table.add_row("eval", f"v{e['step']}: {scores} (every evaluated version: eval_metrics)")
+        if "trained_share" in o:
+            table.add_row(
+                "buffer",
+                f"trained {o['trained_share']:.0%} of {o.get('rollouts_generated', 0)} rollouts; "
+                f"prompts easy {o.get('prompts_easy', 0)} hard {o.get('prompts_hard', 0)} "
+                f"of {o.get('prompts_seen', 0)} seen",
+            )
         table.add_row(
             "trainer",
             f"loss {_fmt(t.get('loss'), '.4f')}  {_fmt(t.get('tokens_per_s'), '.0f')} tok/s  "
@@ -119,6 +135,17 @@ class RunView:
         elif self.scheduler_url:
             table.add_row("rollouts", "[yellow]scheduler not answering[/yellow]")
         return table
+
+    def _last_eval(self) -> dict:
+        """The last evaluation's mean rewards (`eval_<env>_reward`) and its version."""
+        if not self.evals:
+            return {}
+        e = self.evals[-1]
+        out = {"eval_version": e["step"]}
+        for k, v in e.items():
+            if k.endswith("/reward_mean"):
+                out[f"eval_{k.split('/')[1]}_reward"] = v
+        return out
 
     def _nodes_table(self) -> Table | None:
         if not self.pool:
@@ -167,6 +194,12 @@ class RunView:
                 sum(r.get("generate_s", 0.0) for r in self.made),
             ),
             "trainer_mfu": statistics.fmean(mfu) if mfu else None,
+            # Rollouts the trainer got over those the pool generated for the run.
+            "trained_share": _ratio(
+                sum(r.get("samples", 0) for r in self.made),
+                sum(r.get("rollouts_generated", 0) for r in self.made),
+            ),
+            **self._last_eval(),
             **{f"rollouts_{k}": v for k, v in self._rollouts().items()},
         }
         if self.workers_busy:

@@ -104,7 +104,8 @@ class Monitor:
 
 
 def plot_run(run_dir: Path) -> Path | None:
-    """Reward (orchestrator) and loss (trainer) per step into `<run_dir>/curves.png`."""
+    """Reward (orchestrator, and online evaluation's per evaluated version) and loss
+    (trainer) per step into `<run_dir>/curves.png`."""
     orch = read_metrics(run_dir, "orchestrator")
     train = read_metrics(run_dir, "trainer") or read_metrics(run_dir, "sft")
     if not orch and not train:
@@ -117,8 +118,21 @@ def plot_run(run_dir: Path) -> Path | None:
     fig, (ax_r, ax_l) = plt.subplots(1, 2, figsize=(10, 3.6))
     if orch:
         steps = [r["step"] for r in orch]
-        ax_r.plot(steps, [r.get("reward_mean", float("nan")) for r in orch], marker=".")
+        ax_r.plot(
+            steps, [r.get("reward_mean", float("nan")) for r in orch], marker=".", label="training"
+        )
         ax_r.set(title="mean reward per step", xlabel="step", ylabel="reward")
+    if evals := read_metrics(run_dir, "eval"):
+        # An evaluation row's step is the version evaluated: the policy after that step.
+        for name in sorted({k.split("/")[1] for k in evals[-1] if k.endswith("/reward_mean")}):
+            key = f"eval/{name}/reward_mean"
+            ax_r.plot(
+                [r["step"] for r in evals],
+                [r.get(key, float("nan")) for r in evals],
+                marker="o",
+                label=f"eval: {name}",
+            )
+        ax_r.legend(fontsize=8)
     if train:
         steps = [r["step"] for r in train]
         ax_l.plot(steps, [r.get("loss", float("nan")) for r in train], marker=".", color="C1")

@@ -2,32 +2,43 @@
 -> verified, scored, filtered batches for the trainer (DESIGN.md section 2, steps 1 and 6).
 
 Per step n it waits until the trainer has written the oldest policy step n may train on
-(n - 1 - async_level: `trainer.batch.staleness`), samples prompts with a seed derived from (pool, seed, step,
-round), runs the verifiers environment with its client pointed at the scheduler's
-OpenAI-compatible endpoint (with the pool API key; `min_version`: the newest policy,
-never older than that, which the pool holds before the round starts), joins every turn
-with its result from the scheduler's results stream (status and the signed rollout that
-was verified), scores with the environment's rubric, and writes `rollouts/step_<n>.pt`.
+(n - 1 - async_level: `trainer.batch.staleness`), draws a round of prompts (seeded by
+(pool, seed, step, round) and, with `[orchestrator.buffer]` on, by each prompt's recent
+pass rate: `trainer.difficulty`), runs each group's episodes with the verifiers
+environment's client pointed at the scheduler's OpenAI-compatible endpoint (the pool API
+key; `min_version`: the newest policy, never older than that, which the pool holds before
+the round starts), joins every turn with its result from the scheduler's results stream
+(status and the signed rollout that was verified), scores with the environment's rubric,
+and writes `rollouts/step_<n>.pt`. Every `[orchestrator.eval]` interval it evaluates the
+policy beside training (`trainer.online_eval`).
+
+Groups (`[orchestrator.groups]`): each episode of a group runs as its own task (verifiers'
+`run_rollout`, its independent scoring); one that comes back lost (rejected, failed, cut
+off, mismatched, errored) is generated again for the same prompt, up to `max_reschedules`
+per group; at the round's deadline the stragglers are cancelled; a group short of
+episodes trains at its smaller size if its advantages still carry signal. An environment
+whose rubric scores a whole group at once is scored episode by episode here.
 
 Invariants: an episode is trained on only if every turn was accepted and the trained ids,
 logprobs and scored text are those of its signed rollout (trainer/rollouts.py);
-no sample older than async_level reaches a batch; the orchestrator runs at most
-async_level steps ahead of the trainer, so the trainer never waits while inference keeps
-up; resuming recomputes nothing that already exists: a batch file on disk is kept, and
-prompt order depends only on (pool, seed, step, round).
+no sample older than async_level reaches a batch; no round outlives its deadline; the
+orchestrator runs at most async_level steps ahead of the trainer, so the trainer never
+waits while inference keeps up; resuming recomputes nothing that already exists: a batch
+file on disk is kept, and a round's prompts depend only on (pool, seed, step, round) and
+the difficulty state of the checkpoint (the pass rates of steps whose batches were kept
+are not observed again).
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import hashlib
 import json
 import logging
 import os
-import random
 import statistics
 import time
+from collections import Counter
 from dataclasses import asdict
 from pathlib import Path
 
@@ -40,25 +51,27 @@ from protocol.tokenizer import ChatTokenizer
 from trainer.batch import Batch, TrainingSample, batch_path, oldest_admissible, write_batch
 from trainer.checkpoint import step_dir
 from trainer.config import OrchestratorConfig, check_pool_async_level, read_pool
-from trainer.envs import load_environment, openai_client, tool_context
+from trainer.difficulty import DifficultyBuffer, round_rng
+from trainer.envs import load_environment, openai_client, resolved_client, tool_context
 from trainer.monitor import Monitor
-from trainer.rollouts import Verdict, build_samples, episodes_from_outputs
+from trainer.online_eval import OnlineEval
+from trainer.rollouts import (
+    Episode,
+    Verdict,
+    build_samples,
+    episode_verdict,
+    episodes_from_outputs,
+    lost_to_pool,
+)
 from trainer.weights import make_transport
 from verifier.models import resolve_model
 
 log = logging.getLogger("prime.orchestrator")
-VERDICT_TIMEOUT_S = 300.0
 POOL_SYNC_TIMEOUT_S = 60.0
 
 
 class OrchestratorError(RuntimeError):
     """A setup problem the user must fix (wrong key, unreadable pool file)."""
-
-
-def prompt_indices(pool_id: str, seed: int, step: int, rnd: int, k: int, n: int) -> list[int]:
-    """k distinct dataset rows for (pool, seed, step, round): nobody picks easy prompts."""
-    digest = hashlib.sha256(f"{pool_id}:{seed}:{step}:{rnd}".encode()).digest()
-    return random.Random(digest).sample(range(n), min(k, n))
 
 
 STATE_FILE = "orchestrator.json"  # beside the trainer's part of checkpoints/step_<n>/
@@ -96,19 +109,26 @@ class Orchestrator:
         self.env = load_environment(cfg.env)
         self.tools = tool_context(self.env)  # how the trusted side reads this env's calls
         self.dataset = self.env.get_dataset()
+        self.difficulty = DifficultyBuffer(cfg.buffer, len(self.dataset))
+        self.evals = OnlineEval(cfg.eval, self.model, self.tokenizer.decode)
         self.transport = make_transport(cfg.weights, cfg.run_dir)
         self.verdicts: dict[str, Verdict] = {}
-        self.verdict_event = asyncio.Event()
+        self.waiting: dict[str, asyncio.Future] = {}  # rollout id -> its verdict's arrival
         self.cursor = 0
         self.published = -1
         self.announced_seeders: list = []
-        self.buffer: list[list[TrainingSample]] = []  # spare groups for the next step
+        self.spare: list[list[TrainingSample]] = []  # verified groups for the next step
         self.start_step = 1
         if cfg.ckpt.resume and (state := latest_state(cfg.run_dir)):
             self.start_step = state["step"] + 1
             self.cursor = state["cursor"]
-            self.buffer = [[TrainingSample(**s) for s in g] for g in state["buffer"]]
+            self.spare = [[TrainingSample(**s) for s in g] for g in state["spare"]]
+            self.difficulty.restore(state["difficulty"])
             log.info("resuming after step %d (results cursor %d)", state["step"], self.cursor)
+
+    @property
+    def model(self) -> str:
+        return self.cfg.model_name or self.pool.model
 
     # -- background tasks -----------------------------------------------------------
     async def _follow_results(self, client: SchedulerClient) -> None:
@@ -119,7 +139,8 @@ class Orchestrator:
                     rollout = open_envelope(r.rollout_envelope, Rollout, check_expiry=False)
                     rollout = rollout.message
                 self.verdicts[r.request_id] = Verdict(r.status, r.weights_version, rollout)
-                self.verdict_event.set()
+                if (fut := self.waiting.pop(r.request_id, None)) and not fut.done():
+                    fut.set_result(None)
             self.cursor = r.seq
 
     async def _sync_policy(self, client: SchedulerClient, min_version: int) -> tuple[int, float]:
@@ -165,12 +186,14 @@ class Orchestrator:
             log.info("not announcing v%d: %s", latest, exc.message)
         self.published, self.announced_seeders = latest, update.seeders
 
-    async def _wait_verdicts(self, ids: list[str]) -> None:
-        deadline = time.monotonic() + VERDICT_TIMEOUT_S
-        while any(i not in self.verdicts for i in ids) and time.monotonic() < deadline:
-            self.verdict_event.clear()
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self.verdict_event.wait(), 1.0)
+    async def _wait_verdicts(self, ids: list[str], deadline: float) -> None:
+        """Until every one of `ids` has its result, or `deadline` (monotonic) passed."""
+        loop = asyncio.get_running_loop()
+        futs = [
+            self.waiting.setdefault(i, loop.create_future()) for i in ids if i not in self.verdicts
+        ]
+        if futs:
+            await asyncio.wait(futs, timeout=max(0.0, deadline - time.monotonic()))
 
     # -- one step ---------------------------------------------------------------------
     def _sampling_args(self, min_version: int) -> dict:
@@ -183,26 +206,87 @@ class Orchestrator:
             "extra_body": {"return_token_ids": True, "min_version": min_version},
         }
 
-    async def _round(self, step: int, rnd: int, groups: int, min_version: int):
-        rows = prompt_indices(
-            self.pool.pool_id, self.cfg.seed, step, rnd, groups, len(self.dataset)
+    async def _episode(self, row: int, prefix: str, version: int, deadline: float) -> Episode:
+        """One episode of dataset row `row`, its turns' verdicts awaited until `deadline`."""
+        async with self.slots:
+            try:
+                out = await self.env.run_rollout(
+                    dict(self.dataset[row]),
+                    self.client,
+                    self.model,
+                    self._sampling_args(version),
+                    state_columns=["trajectory"],
+                )
+            except Exception as exc:  # noqa: BLE001 - one episode lost, not the step
+                log.warning("an episode of row %d failed: %r", row, exc)
+                return Episode(f"{prefix}/{row}", 0.0, [], repr(exc), "ModelError")
+        (ep,) = episodes_from_outputs([out], prefix)
+        await self._wait_verdicts([t.rollout_id for t in ep.turns], deadline)
+        return ep
+
+    async def _group(
+        self, row: int, prefix: str, version: int, deadline: float
+    ) -> tuple[list[Episode], int, int]:
+        """A group of `row`: its episodes (lost ones generated again, up to the limit, while
+        the deadline allows), and how many were rescheduled and cut off at the deadline."""
+        cfg = self.cfg.groups
+
+        def launch() -> asyncio.Task:
+            return asyncio.create_task(self._episode(row, prefix, version, deadline))
+
+        pending = {launch() for _ in range(self.cfg.group_size)}
+        episodes: list[Episode] = []
+        rescheduled = 0
+        try:
+            while pending and (left := deadline - time.monotonic()) > 0:
+                done, pending = await asyncio.wait(
+                    pending, timeout=left, return_when=asyncio.FIRST_COMPLETED
+                )
+                for task in done:
+                    ep = task.result()
+                    episodes.append(ep)
+                    why, _ = episode_verdict(
+                        ep, self.verdicts, version, self.tokenizer.decode, self.tools
+                    )
+                    if lost_to_pool(ep, why) and rescheduled < cfg.max_reschedules:
+                        rescheduled += 1
+                        pending.add(launch())
+        finally:
+            for task in pending:
+                task.cancel()
+            await asyncio.gather(*pending, return_exceptions=True)
+        return episodes, rescheduled, len(pending)
+
+    async def _round(self, step: int, rnd: int, groups: int, version: int):
+        rng = round_rng(self.pool.pool_id, self.cfg.seed, step, rnd)
+        draw = self.difficulty.sample(rng, groups)
+        prefix = f"{step}/{rnd}"
+        deadline = time.monotonic() + self.cfg.groups.deadline_s
+        results = await asyncio.gather(
+            *(self._group(row, prefix, version, deadline) for row in draw.rows)
         )
-        inputs = [dict(self.dataset[i]) for i in rows for _ in range(self.cfg.group_size)]
-        base = self.cfg.scheduler.split(",")[0].rstrip("/")
-        out = await self.env.generate(
-            inputs,
-            client=openai_client(f"{base}/v1", self.cfg.api_key_file),
-            model=self.cfg.model_name or self.pool.model,
-            sampling_args=self._sampling_args(min_version),
-            max_concurrent=self.cfg.max_concurrent,
-            state_columns=["trajectory"],
-            on_progress=lambda *a, **k: None,
+        episodes = [ep for eps, _, _ in results for ep in eps]
+        kept, filt = build_samples(
+            episodes,
+            self.verdicts,
+            version,
+            self.tokenizer.decode,
+            self.tools,
+            self.cfg.groups.min_size,
         )
-        episodes = episodes_from_outputs(out["outputs"], f"{step}/{rnd}")
-        await self._wait_verdicts([t.rollout_id for ep in episodes for t in ep.turns])
-        return build_samples(
-            episodes, self.verdicts, min_version, self.tokenizer.decode, self.tools
+        for row in draw.rows:
+            if (rewards := filt.verified.get(f"{prefix}/{row}")) is not None:
+                self.difficulty.observe(row, rewards)
+        cut = sum(c for _, _, c in results)
+        filt.counts["straggler"] += cut
+        filt.generated += cut
+        stats = Counter(
+            rescheduled=sum(r for _, r, _ in results),
+            sampled_active=draw.active,
+            sampled_revisit=draw.revisited,
+            partial_groups=sum(len(g) < self.cfg.group_size for g in kept.values()),
         )
+        return kept, filt, stats
 
     async def produce(self, client: SchedulerClient, step: int) -> dict[str, float]:
         cfg = self.cfg
@@ -210,27 +294,35 @@ class Orchestrator:
         waited = 0.0
         t0 = time.monotonic()
         needed = cfg.batch_size // cfg.group_size
-        chosen = [g for g in self.buffer if min(s.version for s in g) >= min_version][:needed]
-        self.buffer = []
+        chosen = [g for g in self.spare if min(s.version for s in g) >= min_version][:needed]
+        self.spare = []
         rewards: list[float] = []
-        tokens = turns = calls = invalid = 0
-        counts: dict[str, int] = {}
+        tokens = turns = calls = invalid = generated = 0
+        counts: Counter[str] = Counter()
+        stats: Counter[str] = Counter()
         rounds = 0
         while len(chosen) < needed and rounds < cfg.max_rounds:
             version, dt = await self._sync_policy(client, min_version)
             waited += dt
-            groups, filt = await self._round(step, rounds, needed - len(chosen), version)
+            if self.evals.due(version):
+                self.evals.start(
+                    version, self.client, self.verdicts, self._wait_verdicts, self._log_eval
+                )
+            groups, filt, round_stats = await self._round(
+                step, rounds, needed - len(chosen), version
+            )
             rounds += 1
             rewards += filt.rewards
             tokens += filt.completion_tokens
             turns, calls = turns + filt.turns, calls + filt.tool_calls
             invalid += filt.invalid_calls
-            for k, v in filt.counts.items():
-                counts[k] = counts.get(k, 0) + v
+            generated += filt.generated
+            counts.update(filt.counts)
+            stats.update(round_stats)
             fresh = list(groups.values())
             take = needed - len(chosen)
             chosen += fresh[:take]
-            self.buffer += fresh[take:]
+            self.spare += fresh[take:]
         samples = [s for g in chosen for s in g]
         generate_s = time.monotonic() - t0 - waited
         metrics = {
@@ -250,14 +342,23 @@ class Orchestrator:
             "tool_calls_per_episode": calls / len(rewards) if rewards else 0.0,
             # Turns that opened a call block which did not parse, per call block written.
             "tool_calls_invalid_share": invalid / (invalid + calls) if invalid + calls else 0.0,
+            # Rollouts the pool generated this step, and the share of them this batch trains
+            # (spare groups of the step before count where they are trained).
+            "rollouts_generated": generated,
+            "trained_share": len(samples) / generated if generated else 0.0,
+            **stats,
+            **self.difficulty.counts(),
             **{f"dropped_{k}": v for k, v in counts.items()},
         }
         if not samples:
-            log.warning("step %d: no group carried a learning signal (%s)", step, counts)
+            log.warning("step %d: no group carried a learning signal (%s)", step, dict(counts))
         write_batch(cfg.run_dir, Batch(step, samples, metrics))
         # Nodes load new weights while the trainer trains: the next round finds them ready.
         await self._announce_latest(client)
         return metrics
+
+    def _log_eval(self, version: int, row: dict) -> None:
+        self.eval_monitor.log(version, row)
 
     def _checkpoint(self, step: int) -> None:
         path = step_dir(self.cfg.run_dir, step) / STATE_FILE
@@ -265,7 +366,8 @@ class Orchestrator:
         state = {
             "step": step,
             "cursor": self.cursor,
-            "buffer": [[asdict(s) for s in g] for g in self.buffer],
+            "spare": [[asdict(s) for s in g] for g in self.spare],
+            "difficulty": self.difficulty.state(),
         }
         tmp = path.with_suffix(".tmp")
         tmp.write_text(json.dumps(state))
@@ -280,6 +382,11 @@ class Orchestrator:
         monitor = Monitor(
             cfg.run_dir, "orchestrator", cfg.monitor, cfg.max_steps, self.start_step - 1
         )
+        quiet = cfg.monitor.model_copy(update={"progress": False, "plot": False})
+        self.eval_monitor = Monitor(cfg.run_dir, "eval", quiet, cfg.max_steps)
+        base = cfg.scheduler.split(",")[0].rstrip("/")
+        self.client = resolved_client(openai_client(f"{base}/v1", cfg.api_key_file))
+        self.slots = asyncio.Semaphore(cfg.max_concurrent)
         async with SchedulerClient(cfg.scheduler, self.identity, self.pool.pool_id) as client:
             tasks = [asyncio.create_task(self._follow_results(client), name="results")]
             try:
@@ -290,11 +397,25 @@ class Orchestrator:
                     monitor.log(step, metrics)
                     if step % cfg.ckpt.interval == 0 or step == cfg.max_steps:
                         self._checkpoint(step)
+                await self._checked(self._final_eval(client), tasks)
             finally:
                 for t in tasks:
                     t.cancel()
                 await asyncio.gather(*tasks, return_exceptions=True)
                 monitor.close()
+                self.eval_monitor.close()
+
+    async def _final_eval(self, client: SchedulerClient) -> None:
+        """The last version evaluated (`eval.final`) once the trainer published it, and the
+        evaluation still running waited for."""
+        if self.evals.enabled and self.cfg.eval.final:
+            version, _ = await self._sync_policy(client, self.cfg.max_steps)
+            await self.evals.drain()
+            if version not in self.evals.done:
+                self.evals.start(
+                    version, self.client, self.verdicts, self._wait_verdicts, self._log_eval
+                )
+        await self.evals.drain()
 
     @staticmethod
     async def _checked(work, tasks: list[asyncio.Task]):

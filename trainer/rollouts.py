@@ -12,8 +12,8 @@ read out are those the trusted side parses from that text (`protocol.tools.parse
 the episode is dropped and counted ("mismatch"); each turn becomes one sample whose input ids, mu
 logprobs and loss mask come from the signed rollout alone. The advantage is the episode's
 reward minus the mean reward of the kept episodes of its group; a group whose kept
-rewards are all equal (or that has fewer than two kept episodes) carries no signal and is
-dropped and counted.
+rewards are all equal carries no signal, and one with fewer kept episodes than its
+minimum (`orchestrator.groups.min_size`) too few: both are dropped and counted.
 """
 
 from __future__ import annotations
@@ -49,6 +49,19 @@ class Episode:
     reward: float
     turns: list[Turn]
     error: str = ""
+    error_type: str = ""
+    """verifiers' error class name ('ModelError': a call to the pool failed)."""
+
+
+# What the pool lost (a rejected, failed or unreleased turn, a call that failed), as
+# opposed to what the policy did (an empty or invalid answer: verifiers' subclasses of
+# ModelError): only the former is worth generating again.
+LOST_VERDICTS = frozenset({"rejected", "failed", "no_verdict"})
+
+
+def lost_to_pool(ep: Episode, why: str) -> bool:
+    """Whether an episode dropped as `why` (`episode_verdict`) was lost by the pool."""
+    return why in LOST_VERDICTS or (why == "error" and ep.error_type == "ModelError")
 
 
 @dataclass
@@ -75,6 +88,11 @@ class Filtered:
     """Tool calls the environment read out of those turns."""
     invalid_calls: int = 0
     """Turns that wrote a call block that did not parse (`protocol.tools.INVALID`)."""
+    generated: int = 0
+    """Rollouts (turns) the pool generated for these episodes, scored or not; an episode
+    that came back without any counts one."""
+    verified: dict[str, list[float]] = field(default_factory=dict)
+    """Per group: the rewards of its verified episodes (kept or not), for pass rates."""
 
 
 def _message_text(message) -> str:
@@ -123,6 +141,7 @@ def episodes_from_outputs(outputs: list[dict], group_prefix: str) -> list[Episod
     for o in outputs:
         turns = []
         error = str(o.get("error") or "")
+        kind = o["error"].get("error", "") if isinstance(o.get("error"), dict) else ""
         for step in o.get("trajectory") or []:
             tokens = step.get("tokens")
             response = step.get("response")
@@ -144,7 +163,7 @@ def episodes_from_outputs(outputs: list[dict], group_prefix: str) -> list[Episod
         if not turns:
             error = error or "no turns"
         episodes.append(
-            Episode(f"{group_prefix}/{o['example_id']}", float(o["reward"]), turns, error)
+            Episode(f"{group_prefix}/{o['example_id']}", float(o["reward"]), turns, error, kind)
         )
     return episodes
 
@@ -219,12 +238,15 @@ def build_samples(
     min_version: int,
     decode: Decode,
     tools: ToolContext | None = None,
+    min_size: int = 2,
 ) -> tuple[dict[str, list[TrainingSample]], Filtered]:
     """Group-wise samples (group key -> samples) that carry a learning signal; `tools`:
-    what the environment offered every request (None: no tools)."""
+    what the environment offered every request (None: no tools); `min_size`: fewest kept
+    episodes a group trains with."""
     out = Filtered()
     groups: dict[str, list[tuple[Episode, int]]] = {}
     for ep in episodes:
+        out.generated += max(1, len(ep.turns))
         if not ep.error:
             out.rewards.append(ep.reward)
             out.completion_tokens += sum(len(t.completion_ids) for t in ep.turns)
@@ -239,7 +261,11 @@ def build_samples(
     kept: dict[str, list[TrainingSample]] = {}
     for key, members in groups.items():
         rewards = [ep.reward for ep, _ in members]
-        if len(members) < 2 or max(rewards) == min(rewards):
+        out.verified[key] = rewards
+        if len(members) < min_size:
+            out.counts["small_group"] += 1
+            continue
+        if max(rewards) == min(rewards):
             out.counts["uniform_group"] += 1
             continue
         mean = statistics.fmean(rewards)

@@ -855,3 +855,27 @@ async def test_a_node_that_turns_once_its_checks_are_rare_gets_nothing_trained(t
             assert r.reputation == 1.0 and r.state == "healthy"  # no honest node lost
     finally:
         await pool.close()
+
+
+async def test_lower_priority_work_waits_for_every_queued_training_request(tmp_path):
+    """A busy pool with evaluation requests (priority 1) queued before training requests
+    (priority 0): once capacity frees, every training request is generated before any of
+    the evaluation ones; both are released."""
+    pool = await make_pool(tmp_path, [HONEST, HONEST], spot_check_rate=0.0)
+    try:
+        d = pool.dispatcher
+        for node in pool.nodes.values():
+            node.hold = True
+        await d.submit(specs(8, first=0))  # the nodes' capacity: 4 each, all held
+        await until(lambda: sum(len(n.held) for n in pool.nodes.values()) == 8)
+        evals = [s.model_copy(update={"priority": 1}) for s in specs(6, first=100)]
+        await d.submit(evals)
+        await d.submit(specs(6, first=200))
+        for node_id in pool.nodes:
+            pool.calls.answer(node_id)
+        await until(lambda: released(d) == 20)
+        order = [rid for _, rid in pool.calls.asked]
+        assert sorted(order[8:14]) == sorted(f"r{i}" for i in range(200, 206)), order
+        assert sorted(order[14:]) == sorted(f"r{i}" for i in range(100, 106)), order
+    finally:
+        await pool.close()

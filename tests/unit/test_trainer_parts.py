@@ -15,8 +15,8 @@ from protocol.identity import Identity
 from protocol.messages import PoolConfig, Rollout, SamplingParams
 from trainer.batch import Batch, TrainingSample, read_batch, write_batch
 from trainer.config import OrchestratorConfig, RLConfig, TrainerConfig
+from trainer.difficulty import round_rng, uniform_rows
 from trainer.envs.reverse_text import lcs_ratio, reward_lcs
-from trainer.orchestrator import prompt_indices
 from trainer.rollouts import Episode, Turn, Verdict, build_samples
 
 
@@ -283,7 +283,7 @@ def test_a_turn_that_differs_from_its_signed_rollout_is_never_trained():
     verdicts = {x.rollout_id: accepted(x, 0) for x in t} | liars
     eps = [Episode("g", float(i), [x]) for i, x in enumerate(t)]
     groups, filt = build_samples(eps, verdicts, 0, decode)
-    assert filt.counts == {"mismatch": 4, "uniform_group": 1}
+    assert filt.counts == {"mismatch": 4, "small_group": 1}
     assert groups == {}
 
 
@@ -327,15 +327,33 @@ def test_groups_with_equal_rewards_carry_no_signal_and_are_counted():
     verdicts["l1"] = Verdict("failed", 0)
     groups, filt = build_samples(eps, verdicts, 0, decode)
     assert groups == {}
-    assert filt.counts == {"uniform_group": 2, "failed": 1}
+    assert filt.counts == {"uniform_group": 1, "small_group": 1, "failed": 1}
+
+
+def test_a_group_short_of_episodes_trains_at_its_size_when_it_carries_signal():
+    """Three of a group of eight verified (the rest lost): trained, advantages over the
+    three; with a minimum of four it is dropped and counted."""
+    eps = [Episode("g", float(i % 2), [turn(f"g{i}")]) for i in range(8)]
+    verdicts = {e.turns[0].rollout_id: accepted(e.turns[0], 0) for e in eps[:3]}
+    verdicts |= {e.turns[0].rollout_id: Verdict("rejected", 0) for e in eps[3:]}
+    groups, filt = build_samples(eps, verdicts, 0, decode)
+    assert [s.advantage for s in groups["g"]] == pytest.approx([-1 / 3, 2 / 3, -1 / 3])
+    assert filt.counts == {"rejected": 5} and filt.verified == {"g": [0.0, 1.0, 0.0]}
+    assert filt.generated == 8
+    groups, filt = build_samples(eps, verdicts, 0, decode, min_size=4)
+    assert groups == {} and filt.counts == {"rejected": 5, "small_group": 1}
+
+
+def rows(pool: str, seed: int, step: int, rnd: int) -> list[int]:
+    return uniform_rows(round_rng(pool, seed, step, rnd), 8, 1000)
 
 
 def test_prompts_depend_on_pool_seed_and_step_only():
-    a = prompt_indices("pool", 0, 5, 0, 8, 1000)
-    assert a == prompt_indices("pool", 0, 5, 0, 8, 1000)
+    a = rows("pool", 0, 5, 0)
+    assert a == rows("pool", 0, 5, 0)
     assert len(set(a)) == 8
-    assert a != prompt_indices("pool", 0, 6, 0, 8, 1000)
-    assert a != prompt_indices("other", 0, 5, 0, 8, 1000)
+    assert a != rows("pool", 0, 6, 0)
+    assert a != rows("other", 0, 5, 0)
 
 
 def test_reverse_text_reward_is_the_lcs_ratio():

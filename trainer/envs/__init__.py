@@ -53,6 +53,14 @@ def openai_client(base_url: str, api_key_file: Path | None = None) -> Any:
     return vf.ClientConfig(api_base_url=base_url, api_key_var=API_KEY_VAR)
 
 
+def resolved_client(config: Any) -> Any:
+    """The verifiers client of a client config, made once and shared by every episode
+    (`Environment.run_rollout` would otherwise build one per call)."""
+    from verifiers.legacy.clients import resolve_client
+
+    return resolve_client(config)
+
+
 def load_environment(cfg: EnvConfig) -> Any:
     """A verifiers Environment for `cfg` (with `cfg.args` passed to its loader), its turns
     and context capped as `cfg` says."""

@@ -54,13 +54,25 @@ def texts(num: int, seed: int, min_len: int = 3, max_len: int = 8) -> list[str]:
     return [random_text(rng, min_len, max_len) for _ in range(num)]
 
 
-def load_environment(num_examples: int = 1000, seed: int = 0, min_len: int = 3, max_len: int = 8):
+def load_environment(
+    num_examples: int = 1000,
+    seed: int = 0,
+    min_len: int = 3,
+    max_len: int = 8,
+    num_eval_examples: int = 0,
+):
+    """`num_eval_examples`: a held-out eval split (texts of a seed range neither the
+    training set nor SFT uses); 0: none (evaluation then reads the training set)."""
     import verifiers as vf
     from datasets import Dataset
 
-    rows = [{"question": t, "answer": t[::-1]} for t in texts(num_examples, seed, min_len, max_len)]
+    def rows(n: int, s: int) -> list[dict]:
+        return [{"question": t, "answer": t[::-1]} for t in texts(n, s, min_len, max_len)]
+
+    held_out = rows(num_eval_examples, 2_000_003 + seed) if num_eval_examples else None
     return vf.SingleTurnEnv(
-        dataset=Dataset.from_list(rows),
+        dataset=Dataset.from_list(rows(num_examples, seed)),
+        eval_dataset=Dataset.from_list(held_out) if held_out else None,
         system_prompt=SYSTEM_PROMPT,
         rubric=vf.Rubric(funcs=[reward_lcs]),
     )
