@@ -340,9 +340,10 @@ class BufferConfig(Section):
     """Verified rollouts of a prompt before it may be set aside."""
     easy_threshold: float = Field(1.0, gt=0, le=1)
     """A pass rate at or above this sets the prompt aside as easy."""
-    hard_threshold: float | None = Field(0.0, ge=0, lt=1)
-    """A pass rate at or below this sets the prompt aside as hard (None: never; for a
-    graded reward, where failing every time can still carry signal)."""
+    hard_threshold: float | None = Field(None, ge=0, lt=1)
+    """A pass rate at or below this sets the prompt aside as hard (None: never, since a
+    graded reward can carry signal while failing every time; with a 0/1 reward a prompt
+    never solved is flat anyway)."""
     flat: bool = True
     """Also set aside a prompt whose recent rewards are all equal (with a graded reward,
     the policy giving one answer every time: its group carries no signal)."""

@@ -3,15 +3,20 @@
 generates and verifies every rollout. Asserts what a user of the run would check: the
 reward rises clearly, it all fits in 10 minutes, no trained sample is older than
 async_level, every trained episode was verified, the trainer barely waits, the curves
-and configs are written; and the multi-turn environment goes through the same path."""
+and configs are written; and the multi-turn environment goes through the same path.
+Beside that run (issue 30): the same run with online evaluation through the pool reports
+a score every N steps and trains as it did, and with difficulty filtering on, more of
+what the pool generated reaches the trainer."""
 
 from __future__ import annotations
 
 import json
 import math
+import statistics
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -34,11 +39,23 @@ from trainer.monitor import read_metrics
 from verifier.models import load_tokenizer
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
+BESIDE = 25  # steps of the runs compared with the main run's first ones
 
 
-def test_rl_on_reverse_text_through_a_verifying_pool(tmp_path, sft_model, sft_model_seconds):
+@pytest.fixture(scope="module")
+def main_run(tmp_path_factory, sft_model) -> tuple[Path, float]:
+    """The 50-step run of configs/rl/reverse-text-tiny.toml (its directory and seconds)."""
+    return rl_through_pool(tmp_path_factory.mktemp("main"), sft_model)
+
+
+def trained_share(made: list[dict]) -> float:
+    """Rollouts the trainer got over the rollouts the pool generated."""
+    return sum(r["samples"] for r in made) / sum(r["rollouts_generated"] for r in made)
+
+
+def test_rl_on_reverse_text_through_a_verifying_pool(main_run, sft_model_seconds):
     steps, async_level = 50, 2  # configs/rl/reverse-text-tiny.toml
-    run, took = rl_through_pool(tmp_path, sft_model)
+    run, took = main_run
     trained = read_metrics(run, "trainer")
     made = read_metrics(run, "orchestrator")
     assert [r["step"] for r in trained] == list(range(1, steps + 1))
@@ -67,6 +84,64 @@ def test_rl_on_reverse_text_through_a_verifying_pool(tmp_path, sft_model, sft_mo
     assert (run / "curves.png").stat().st_size > 10_000
     for name in ("rl", "trainer", "orchestrator"):
         assert (run / "configs" / f"{name}.toml").is_file()
+
+
+def test_online_eval_scores_every_n_versions_through_the_pool_and_trains_as_before(
+    tmp_path, sft_model, main_run
+):
+    """`[orchestrator.eval]` every 5 versions on 16 fixed prompts: a row per evaluated
+    version (0, 5, ..., and the last), each episode verified by the pool, in the PNG; the
+    training beside it takes every step with the reward of the run without evaluation
+    (its first 25 steps: the same prompts), within noise."""
+    run, _ = rl_through_pool(
+        tmp_path, sft_model, "--max-steps", str(BESIDE),
+        "--orchestrator.eval.envs", '[{"id": "reverse-text", "args": {"num_examples": 48}}]',
+        "--orchestrator.eval.interval", "5", "--orchestrator.eval.num-examples", "16",
+        "--orchestrator.eval.sampling.max-tokens", "12",
+    )  # fmt: skip
+    evals = read_metrics(run, "eval")
+    assert [r["step"] for r in evals] == [0, 5, 10, 15, 20, 25], evals
+    for r in evals:
+        assert r["eval/reverse-text/verified"] == r["eval/reverse-text/episodes"] == 16, r
+        assert r["eval/reverse-text/version_min"] >= r["step"], r
+        assert 0.0 < r["eval/reverse-text/reward_mean"] <= 1.0, r
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["eval_version"] == BESIDE and "eval_reverse-text_reward" in summary
+    made = read_metrics(run, "orchestrator")
+    assert [r["step"] for r in read_metrics(run, "trainer")] == list(range(1, BESIDE + 1))
+    assert all(r["samples"] for r in made)
+    base = read_metrics(main_run[0], "orchestrator")[:BESIDE]
+    with_eval = [r["reward_mean"] for r in made]
+    without = [r["reward_mean"] for r in base]
+    noise = math.hypot(statistics.stdev(with_eval), statistics.stdev(without)) / math.sqrt(BESIDE)
+    gap = statistics.fmean(with_eval) - statistics.fmean(without)
+    print(
+        f"\nonline eval: reward {statistics.fmean(with_eval):.3f} vs {statistics.fmean(without):.3f}"
+    )
+    assert abs(gap) < max(0.04, 3 * noise), (gap, noise)
+
+
+def test_difficulty_filtering_sends_more_of_what_the_pool_generates_to_the_trainer(
+    tmp_path, sft_model, main_run
+):
+    """`[orchestrator.buffer]` on: prompts the policy answers the same way every time
+    (their groups come back all-equal and are dropped) are set aside and revisited now
+    and then. Against the run without it (its first 25 steps), a larger share of the
+    rollouts the pool generated is trained; what was sampled and why is in the metrics,
+    and the buffer is in the orchestrator's checkpoint."""
+    run, _ = rl_through_pool(
+        tmp_path, sft_model, "--max-steps", str(BESIDE), "--orchestrator.buffer.enabled", "true"
+    )  # fmt: skip
+    made = read_metrics(run, "orchestrator")
+    base = read_metrics(main_run[0], "orchestrator")[:BESIDE]
+    assert all(r["samples"] for r in made)
+    assert sum(r["sampled_revisit"] for r in made) > 0
+    assert made[-1]["prompts_flat"] > 0
+    filtered, plain = trained_share(made), trained_share(base)
+    print(f"\ntrained share: {filtered:.3f} with the buffer, {plain:.3f} without")
+    assert filtered > plain + 0.03, (filtered, plain)
+    state = json.loads((run / "checkpoints" / f"step_{BESIDE}" / "orchestrator.json").read_text())
+    assert len(state["difficulty"]) == made[-1]["prompts_seen"]
 
 
 def test_multi_turn_episodes_train_on_every_turn(tmp_path, sft_model):

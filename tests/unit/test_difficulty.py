@@ -12,7 +12,7 @@ from pydantic import ValidationError
 from trainer.config import BufferConfig, OrchestratorConfig
 from trainer.difficulty import DifficultyBuffer, round_rng, uniform_rows
 
-ON = BufferConfig(enabled=True, window=8, min_seen=4, revisit=0.0)
+ON = BufferConfig(enabled=True, window=8, min_seen=4, revisit=0.0, hard_threshold=0.0)
 
 
 def buffer(cfg: BufferConfig = ON, size: int = 20) -> DifficultyBuffer:
