@@ -344,9 +344,13 @@ class BufferConfig(Section):
     """A pass rate at or below this sets the prompt aside as hard (None: never, since a
     graded reward can carry signal while failing every time; with a 0/1 reward a prompt
     never solved is flat anyway)."""
-    flat: bool = True
-    """Also set aside a prompt whose recent rewards are all equal (with a graded reward,
-    the policy giving one answer every time: its group carries no signal)."""
+    flat: float | None = Field(None, gt=0, le=1)
+    """Also set aside a prompt whose next group comes back all-equal with at least this
+    chance, estimated from its recent rewards (q ** group_size, q the share of the most
+    common one): with a graded reward, the policy (almost) always giving one answer
+    (None: never; 1.0: only a prompt whose recent rewards are all equal). Off by default:
+    on the tiny reverse-text run, where all-equal groups come from prompts whose last
+    group varied, it raised the trained share by nothing measurable."""
     revisit: float = Field(0.1, ge=0, le=1)
     """Chance that a round's prompt is drawn from the set-aside ones (their pass rate is
     measured again: a prompt the policy forgot, or now learns, comes back)."""

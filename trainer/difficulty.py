@@ -5,12 +5,14 @@ prompts (`sample`) and keeps its `state()` in its checkpoint.
 
 A prompt's pass rate is the share of its last `window` verified rollouts whose reward
 reached `pass_threshold`. Once it has `min_seen` of them, a prompt at or above
-`easy_threshold` is easy, one at or below `hard_threshold` hard, and (`flat`) one whose
-recent rewards are all the same flat: all three are set aside, because their groups
-would most likely come back all-equal and be dropped after the pool paid for them. (With
-a 0/1 reward, flat is a pass rate of 0 or 1; with a graded one it is the policy giving
-the same answer every time, what set the tiny reverse-text run's groups all-equal.) The
-others (unseen prompts among them) are active. A round draws its
+`easy_threshold` is easy, one at or below `hard_threshold` hard, and one whose next group
+would come back all-equal with a chance of at least `flat` flat, that chance estimated as
+q ** group_size, q the share of its most common reward among its recent ones: all three
+are set aside, because their groups would most likely be dropped as all-equal after the
+pool paid for them. (With a 0/1 reward, a flat prompt is one (almost) always or never
+solved; with a graded one it is the policy (almost) always giving the same answer, what
+sets the tiny reverse-text run's groups all-equal.) The others (unseen prompts among
+them) are active. A round draws its
 prompts from the active ones and, each with probability `revisit`, from the set-aside
 ones, whose fresh rollouts update their pass rate (a prompt the policy forgot comes back).
 
@@ -26,7 +28,7 @@ from __future__ import annotations
 
 import hashlib
 import random
-from collections import deque
+from collections import Counter, deque
 from dataclasses import dataclass, field
 
 from trainer.config import BufferConfig
@@ -58,6 +60,8 @@ class DifficultyBuffer:
     cfg: BufferConfig
     size: int
     """Rows of the dataset."""
+    group_size: int = 8
+    """Episodes per group (what a flat prompt's chance of an all-equal group is over)."""
     rewards: dict[int, deque[float]] = field(default_factory=dict)
     """Per seen row: the rewards of its last `window` verified rollouts."""
 
@@ -86,7 +90,10 @@ class DifficultyBuffer:
         hard = self.cfg.hard_threshold
         if hard is not None and rate <= hard:
             return "hard"
-        return "flat" if self.cfg.flat and max(seen) == min(seen) else "active"
+        if self.cfg.flat is None:
+            return "active"
+        q = Counter(seen).most_common(1)[0][1] / len(seen)
+        return "flat" if q**self.group_size >= self.cfg.flat else "active"
 
     def sample(self, rng: random.Random, k: int) -> Draw:
         """k distinct rows for one round (uniform when filtering is off)."""

@@ -109,7 +109,7 @@ class Orchestrator:
         self.env = load_environment(cfg.env)
         self.tools = tool_context(self.env)  # how the trusted side reads this env's calls
         self.dataset = self.env.get_dataset()
-        self.difficulty = DifficultyBuffer(cfg.buffer, len(self.dataset))
+        self.difficulty = DifficultyBuffer(cfg.buffer, len(self.dataset), cfg.group_size)
         self.evals = OnlineEval(cfg.eval, self.model, self.tokenizer.decode)
         self.transport = make_transport(cfg.weights, cfg.run_dir)
         self.verdicts: dict[str, Verdict] = {}

@@ -202,6 +202,8 @@ def report(run_dir: Path, config: Path, device: str) -> dict:
                 "trainer_mfu": t.get("mfu"),
                 "trainer_idle_s": t.get("idle_s"),
                 "trainer_step_s": t.get("step_time_s"),
+                "samples": o.get("samples"),
+                "rollouts_generated": o.get("rollouts_generated"),
             }
         )
     rewards = [s["reward_mean"] for s in steps]
@@ -228,6 +230,8 @@ def report(run_dir: Path, config: Path, device: str) -> dict:
     last_seg = segments[-1] if segments else {}
     tokens = sum(o.get("completion_tokens", 0) for o in orch)
     gen_wall = sum(o.get("generate_s", 0.0) for o in orch)
+    made = sum(o.get("rollouts_generated", 0) for o in orch)
+    evals = read_metrics(run_dir, "eval")
     return {
         "device": device,
         "config": str(config),
@@ -263,6 +267,12 @@ def report(run_dir: Path, config: Path, device: str) -> dict:
             if k.startswith("rollouts_")
         },
         "nodes_banned": last_seg.get("nodes_banned"),
+        # Rollouts the trainer got over those the pool generated for it (issue 30).
+        "trained_share": sum(o.get("samples", 0) for o in orch) / made if made else None,
+        "evals": [
+            {"version": e["step"], **{k: v for k, v in e.items() if k.startswith("eval")}}
+            for e in evals
+        ],
         "trust": trust(run_dir),
         "nodes": last_seg.get("nodes"),
         "per_step": steps,
@@ -319,6 +329,17 @@ def table(res: dict) -> Table:
         ("adversaries", json.dumps(res["trust"].get("adversaries")) if res["trust"] else "-"),
         ("rollouts", ", ".join(f"{k} {v}" for k, v in res["rollouts"].items())),
         ("nodes banned", str(res["nodes_banned"])),
+        ("trained / generated rollouts", _f(res["trained_share"])),
+        (
+            "eval reward per version",
+            " ".join(
+                f"v{e['version']}:{v:.2f}"
+                for e in res["evals"]
+                for k, v in e.items()
+                if k.endswith("/reward_mean")
+            )
+            or "-",
+        ),
     ]
     for row in rows:
         t.add_row(*row)

@@ -12,7 +12,7 @@ from pydantic import ValidationError
 from trainer.config import BufferConfig, OrchestratorConfig
 from trainer.difficulty import DifficultyBuffer, round_rng, uniform_rows
 
-ON = BufferConfig(enabled=True, window=8, min_seen=4, revisit=0.0, hard_threshold=0.0)
+ON = BufferConfig(enabled=True, window=8, min_seen=4, revisit=0.0, hard_threshold=0.0, flat=0.5)
 
 
 def buffer(cfg: BufferConfig = ON, size: int = 20) -> DifficultyBuffer:
@@ -41,9 +41,15 @@ def test_prompts_always_or_never_solved_are_set_aside_once_seen_enough():
     assert (graded.kind(2), graded.kind(4)) == ("active", "flat")
     graded.observe(4, [0.75])  # a revisit that differs: active again
     assert graded.kind(4) == "active"
-    kept = buffer(ON.model_copy(update={"hard_threshold": None, "flat": False}))
+    kept = buffer(ON.model_copy(update={"hard_threshold": None, "flat": None}))
     kept.observe(4, [0.5] * 4)
     assert kept.kind(4) == "active"
+    # Flat is a chance of an all-equal group of 8: 15 of 16 the same (0.94 ** 8 = 0.60) is,
+    # 7 of 8 (0.88 ** 8 = 0.34) is not.
+    wide = buffer(ON.model_copy(update={"hard_threshold": None, "window": 16}))
+    wide.observe(5, [0.5] * 15 + [0.25])
+    wide.observe(6, [0.5] * 7 + [0.25])
+    assert (wide.kind(5), wide.kind(6)) == ("flat", "active")
 
 
 def test_a_round_draws_active_prompts_and_revisits_set_aside_ones_at_the_rate():
