@@ -6,12 +6,15 @@ evaluation of that version runs beside training: each environment's fixed prompt
 generated, verified) at the configured priority, which the scheduler serves only after
 every waiting training request. Each episode is scored by the environment's rubric on the
 trusted side; the row written to `<run_dir>/logs/eval_metrics.jsonl` (step = the version
-asked for) holds per environment the mean reward and pass rate of the verified episodes,
-how many were verified of those asked, and the versions that generated them.
+asked for) holds per environment the mean reward and pass rate of the scored episodes,
+how many were scored of those asked (and why the others were not), and the versions
+that generated them.
 
-Invariants: only episodes whose every turn was accepted and is exactly its signed rollout
-are scored (`trainer.rollouts.episode_verdict`, the training path's own check); an
-episode not verified within `timeout_s` is reported missing, never scored; at most one
+Invariants: an episode is scored only if every turn was accepted and is exactly its
+signed rollout (`trainer.rollouts.episode_verdict`, the training path's own check), or
+if the policy itself failed it (an empty or invalid answer, which reached the
+environment only through the verified path: reward 0, counted as `dropped_policy_error`);
+an episode not verified within `timeout_s` is reported missing, never scored; at most one
 evaluation runs at a time (a due version found one running is skipped and counted);
 evaluation never blocks a training step: it runs as its own task.
 """
@@ -31,7 +34,13 @@ from protocol.openai import Decode
 from protocol.tools import ToolContext
 from trainer.config import EnvConfig, OnlineEvalConfig
 from trainer.envs import load_environment, tool_context
-from trainer.rollouts import Episode, Verdict, episode_verdict, episodes_from_outputs
+from trainer.rollouts import (
+    Episode,
+    Verdict,
+    episode_verdict,
+    episodes_from_outputs,
+    lost_to_pool,
+)
 
 log = logging.getLogger("prime.orchestrator.eval")
 
@@ -179,6 +188,11 @@ class OnlineEval:
             if status == "ok":
                 rewards.append(ep.reward)
                 versions.append(v)
+            elif status == "error" and not lost_to_pool(ep, status):
+                # The policy's own failure (an empty or invalid answer, which reached the
+                # environment only through the verified path): scored as a miss, reward 0.
+                rewards.append(0.0)
+                why["policy_error"] += 1
             else:
                 why[status] += 1
         p = f"eval/{ev.name}/"
@@ -190,7 +204,7 @@ class OnlineEval:
                 else float("nan")
             ),
             p + "episodes": float(asked),
-            p + "verified": float(len(rewards)),
+            p + "scored": float(len(rewards)),
             p + "missing": float(asked - len(episodes)),
             p + "version_min": float(min(versions, default=version)),
             p + "version_max": float(max(versions, default=version)),
