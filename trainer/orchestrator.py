@@ -122,8 +122,10 @@ class Orchestrator:
         if cfg.ckpt.resume and (state := latest_state(cfg.run_dir)):
             self.start_step = state["step"] + 1
             self.cursor = state["cursor"]
-            self.spare = [[TrainingSample(**s) for s in g] for g in state["spare"]]
-            self.difficulty.restore(state["difficulty"])
+            # A checkpoint from before the difficulty buffer named its spare groups "buffer".
+            spare = state.get("spare", state.get("buffer", []))
+            self.spare = [[TrainingSample(**s) for s in g] for g in spare]
+            self.difficulty.restore(state.get("difficulty", {}))
             log.info("resuming after step %d (results cursor %d)", state["step"], self.cursor)
 
     @property
@@ -348,6 +350,8 @@ class Orchestrator:
             "trained_share": len(samples) / generated if generated else 0.0,
             **stats,
             **self.difficulty.counts(),
+            # Versions due for evaluation that were skipped: the one before still ran.
+            "evals_skipped": self.evals.skipped,
             **{f"dropped_{k}": v for k, v in counts.items()},
         }
         if not samples:
