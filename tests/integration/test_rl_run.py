@@ -40,7 +40,7 @@ from trainer.monitor import read_metrics
 from verifier.models import load_tokenizer
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
-BESIDE = 25  # steps of the runs compared with the main run's first ones
+BESIDE = 15  # steps of the runs compared with the main run's first ones
 
 
 @pytest.fixture(scope="module")
@@ -93,7 +93,7 @@ def test_online_eval_scores_every_n_versions_through_the_pool_and_trains_as_befo
     """`[orchestrator.eval]` every 5 versions on 16 fixed prompts: a row per evaluated
     version (0, 5, ..., and the last), each episode verified by the pool, in the PNG; the
     training beside it takes every step with the reward of the run without evaluation
-    (its first 25 steps: the same prompts), within noise."""
+    (its first 15 steps: the same prompts), within noise."""
     run, _ = rl_through_pool(
         tmp_path, sft_model, "--max-steps", str(BESIDE),
         "--orchestrator.eval.envs", '[{"id": "reverse-text", "args": {"num_examples": 48}}]',
@@ -101,7 +101,7 @@ def test_online_eval_scores_every_n_versions_through_the_pool_and_trains_as_befo
         "--orchestrator.eval.sampling.max-tokens", "12",
     )  # fmt: skip
     evals = read_metrics(run, "eval")
-    assert [r["step"] for r in evals] == [0, 5, 10, 15, 20, 25], evals
+    assert [r["step"] for r in evals] == list(range(0, BESIDE + 1, 5)), evals
     for r in evals:
         # Every episode verified (or failed by the policy itself: an empty answer, reward 0).
         assert r["eval/reverse-text/scored"] == r["eval/reverse-text/episodes"] == 16, r
@@ -129,16 +129,18 @@ MIXED = (
 )  # fmt: skip
 
 
-def test_difficulty_filtering_sends_more_to_the_trainer_and_survives_a_kill(tmp_path, sft_model):
+def test_difficulty_filtering_sends_more_to_the_trainer_and_survives_a_kill(
+    tmp_path, sft_model, report
+):
     """`[orchestrator.buffer]` on, on reverse-text with about half its prompts already
     solved (tests/envs/mixed_difficulty_env.py: the tiny model masters no reverse-text
     prompt within such a run): the solved prompts are set aside once seen and revisited
     now and then, so a larger share of the rollouts the pool generated is trained than in
     the same run without the buffer. That run is also killed with kill -9 (trainer and
-    orchestrator die with `rl`) right after the step-5 checkpoint; `--ckpt.resume`
+    orchestrator die with `rl`) right after the step-4 checkpoint; `--ckpt.resume`
     continues from it with the buffer's state, keeps the batches already written (same
     data), and finishes."""
-    steps = ("--max-steps", "15", "--ckpt.interval", "5", *MIXED)
+    steps = ("--max-steps", "12", "--ckpt.interval", "4", *MIXED)
     plain, _ = rl_through_pool(tmp_path / "plain", sft_model, *steps)
     steps += ("--orchestrator.buffer.enabled", "true")
     with serving_pool(tmp_path / "buffer", sft_model) as pool:
@@ -147,24 +149,24 @@ def test_difficulty_filtering_sends_more_to_the_trainer_and_survives_a_kill(tmp_
             [sys.executable, "-m", "trainer.cli", *rl_args(pool, sft_model, run, *steps)],
             cwd=REPO, env=ENV, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
         )  # fmt: skip
-        marker = run / "checkpoints" / "step_5" / "trainer" / "COMPLETE"
+        marker = run / "checkpoints" / "step_4" / "trainer" / "COMPLETE"
         deadline = time.monotonic() + 300
         while not marker.exists():
-            assert proc.poll() is None and time.monotonic() < deadline, "no step-5 checkpoint"
+            assert proc.poll() is None and time.monotonic() < deadline, "no step-4 checkpoint"
             time.sleep(0.1)
         proc.kill()
         proc.wait(30)
         written = {p.name: p.read_bytes() for p in (run / "rollouts").glob("step_*.pt")}
-        assert "step_6.pt" in written, "the orchestrator works ahead of the trainer"
-        saved = json.loads((run / "checkpoints" / "step_5" / "orchestrator.json").read_text())
+        assert "step_5.pt" in written, "the orchestrator works ahead of the trainer"
+        saved = json.loads((run / "checkpoints" / "step_4" / "orchestrator.json").read_text())
         time.sleep(1)  # the children die with their parent (parent-death signal)
         out = trainer_cli(*rl_args(pool, sft_model, run, *steps, "--ckpt.resume"))
         check_finished(out, run)
-    assert "resumed from the checkpoint of step 5" in (run / "logs" / "trainer.log").read_text()
-    assert [r["step"] for r in read_metrics(run, "trainer")] == list(range(1, 16))
+    assert "resumed from the checkpoint of step 4" in (run / "logs" / "trainer.log").read_text()
+    assert [r["step"] for r in read_metrics(run, "trainer")] == list(range(1, 13))
     for name, data in written.items():
         assert (run / "rollouts" / name).read_bytes() == data, f"{name} was regenerated"
-    assert (run / "weights" / "step_15" / "STABLE").exists()
+    assert (run / "weights" / "step_12" / "STABLE").exists()
     made = read_metrics(run, "orchestrator")
     # The resumed orchestrator started from the saved pass rates, not from nothing.
     first_after = next(r for r in made if r["step"] == len(written) + 1)
@@ -172,7 +174,7 @@ def test_difficulty_filtering_sends_more_to_the_trainer_and_survives_a_kill(tmp_
     assert all(r["samples"] for r in made)
     assert made[-1]["prompts_easy"] > 0 and sum(r["sampled_revisit"] for r in made) > 0
     filtered, without = trained_share(made), trained_share(read_metrics(plain, "orchestrator"))
-    print(f"\ntrained share: {filtered:.3f} with the buffer, {without:.3f} without")
+    report("trained share over 12 steps, solved half (buffer, plain)", [filtered, without])
     assert filtered > without + 0.05, (filtered, without)
 
 
