@@ -82,9 +82,8 @@ class DifficultyBuffer:
 
     def kind(self, row: int) -> str:
         """'easy', 'hard', 'flat' or 'active'."""
-        if (seen := self._recent(row)) is None:
+        if (rate := self.pass_rate(row)) is None:
             return "active"
-        rate = sum(r >= self.cfg.pass_threshold for r in seen) / len(seen)
         if rate >= self.cfg.easy_threshold:
             return "easy"
         hard = self.cfg.hard_threshold
@@ -92,6 +91,7 @@ class DifficultyBuffer:
             return "hard"
         if self.cfg.flat is None:
             return "active"
+        seen = self.rewards[row]
         q = Counter(seen).most_common(1)[0][1] / len(seen)
         return "flat" if q**self.group_size >= self.cfg.flat else "active"
 

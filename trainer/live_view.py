@@ -18,7 +18,7 @@ import httpx
 from rich.console import Group, RenderableType
 from rich.table import Table
 
-from trainer.monitor import read_metrics
+from trainer.monitor import eval_rewards, read_metrics
 
 
 def _fmt(x: float | None, spec: str = ".3f") -> str:
@@ -108,9 +108,7 @@ class RunView:
         )
         if self.evals:
             e = self.evals[-1]
-            scores = "  ".join(
-                f"{k.split('/')[1]} {_fmt(v)}" for k, v in e.items() if k.endswith("/reward_mean")
-            )
+            scores = "  ".join(f"{name} {_fmt(v)}" for name, v in eval_rewards(e).items())
             table.add_row("eval", f"v{e['step']}: {scores} (every evaluated version: eval_metrics)")
         if "trained_share" in o:
             table.add_row(
@@ -141,11 +139,8 @@ class RunView:
         if not self.evals:
             return {}
         e = self.evals[-1]
-        out = {"eval_version": e["step"]}
-        for k, v in e.items():
-            if k.endswith("/reward_mean"):
-                out[f"eval_{k.split('/')[1]}_reward"] = v
-        return out
+        rewards = {f"eval_{name}_reward": v for name, v in eval_rewards(e).items()}
+        return {"eval_version": e["step"], **rewards}
 
     def _nodes_table(self) -> Table | None:
         if not self.pool:

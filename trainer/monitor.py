@@ -103,6 +103,11 @@ class Monitor:
             self.wandb.finish()
 
 
+def eval_rewards(row: dict) -> dict[str, float]:
+    """An online evaluation row's mean reward per environment (`eval/<env>/reward_mean`)."""
+    return {k.split("/")[1]: v for k, v in row.items() if k.endswith("/reward_mean")}
+
+
 def plot_run(run_dir: Path) -> Path | None:
     """Reward (orchestrator, and online evaluation's per evaluated version) and loss
     (trainer) per step into `<run_dir>/curves.png`."""
@@ -124,11 +129,10 @@ def plot_run(run_dir: Path) -> Path | None:
         ax_r.set(title="mean reward per step", xlabel="step", ylabel="reward")
     if evals := read_metrics(run_dir, "eval"):
         # An evaluation row's step is the version evaluated: the policy after that step.
-        for name in sorted({k.split("/")[1] for k in evals[-1] if k.endswith("/reward_mean")}):
-            key = f"eval/{name}/reward_mean"
+        for name in sorted(eval_rewards(evals[-1])):
             ax_r.plot(
                 [r["step"] for r in evals],
-                [r.get(key, float("nan")) for r in evals],
+                [eval_rewards(r).get(name, float("nan")) for r in evals],
                 marker="o",
                 label=f"eval: {name}",
             )

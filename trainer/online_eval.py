@@ -33,19 +33,14 @@ from typing import Any
 from protocol.openai import Decode
 from protocol.tools import ToolContext
 from trainer.config import EnvConfig, OnlineEvalConfig
-from trainer.envs import load_environment, tool_context
-from trainer.rollouts import (
-    Episode,
-    Verdict,
-    episode_verdict,
-    episodes_from_outputs,
-    lost_to_pool,
-)
+from trainer.envs import load_environment, pool_sampling_args, tool_context
+from trainer.rollouts import Episode, Verdict, episode_verdict, lost_to_pool
 
 log = logging.getLogger("prime.orchestrator.eval")
 
-# (version, episodes) -> each episode's turns verified or the deadline passed
-WaitVerdicts = Callable[[list[str], float], Awaitable[None]]
+# The orchestrator's one episode through the pool, its verdicts awaited:
+# (env, prompt, sampling args, group prefix, deadline, slots) -> the episode.
+RunEpisode = Callable[[Any, dict, dict, str, float, asyncio.Semaphore], Awaitable[Episode]]
 
 
 @dataclass
@@ -107,9 +102,8 @@ class OnlineEval:
     def start(
         self,
         version: int,
-        client: Any,
+        run_episode: RunEpisode,
         verdicts: dict[str, Verdict],
-        wait: WaitVerdicts,
         write: Callable[[int, dict], None],
     ) -> None:
         """Evaluate `version` in the background (skipped while another evaluation runs)."""
@@ -119,7 +113,7 @@ class OnlineEval:
             log.info("version %d not evaluated: an evaluation is still running", version)
             return
         self.task = asyncio.create_task(
-            self._evaluate(version, client, verdicts, wait, write), name=f"eval v{version}"
+            self._evaluate(version, run_episode, verdicts, write), name=f"eval v{version}"
         )
 
     async def drain(self) -> None:
@@ -127,39 +121,17 @@ class OnlineEval:
         if self.task is not None:
             await self.task
 
-    async def _evaluate(self, version, client, verdicts, wait, write) -> None:
+    async def _evaluate(self, version, run_episode, verdicts, write) -> None:
         t0 = time.monotonic()
         deadline = t0 + self.cfg.timeout_s
-        sem = asyncio.Semaphore(self.cfg.max_concurrent)
-        s = self.cfg.sampling
-        args = {
-            "temperature": s.temperature,
-            "top_p": s.top_p,
-            "max_tokens": s.max_tokens,
-            "logprobs": True,
-            "extra_body": {
-                "return_token_ids": True,
-                "min_version": version,
-                "priority": self.cfg.priority,
-            },
-        }
-
-        async def one(ev: EvalEnv, prompt: dict) -> Episode:
-            async with sem:
-                try:
-                    out = await ev.env.run_rollout(
-                        prompt, client, self.model, args, state_columns=["trajectory"]
-                    )
-                except Exception as exc:  # noqa: BLE001 - an episode lost, not the run
-                    return Episode(f"eval/{version}", 0.0, [], repr(exc))
-            (ep,) = episodes_from_outputs([out], f"eval/{version}")
-            await wait([t.rollout_id for t in ep.turns], deadline)
-            return ep
+        slots = asyncio.Semaphore(self.cfg.max_concurrent)
+        args = pool_sampling_args(self.cfg.sampling, version, self.cfg.priority)
+        prefix = f"eval/{version}"
 
         row: dict[str, float] = {}
         for ev in self.envs:
             work = [
-                asyncio.create_task(one(ev, p))
+                asyncio.create_task(run_episode(ev.env, p, args, prefix, deadline, slots))
                 for p in ev.prompts
                 for _ in range(self.cfg.rollouts_per_example)
             ]

@@ -13,9 +13,10 @@ and writes `rollouts/step_<n>.pt`. Every `[orchestrator.eval]` interval it evalu
 policy beside training (`trainer.online_eval`).
 
 Groups (`[orchestrator.groups]`): each episode of a group runs as its own task (verifiers'
-`run_rollout`, its independent scoring); one that comes back lost (rejected, failed, cut
-off, mismatched, errored) is generated again for the same prompt, up to `max_reschedules`
-per group; at the round's deadline the stragglers are cancelled; a group short of
+`run_rollout`, its independent scoring); one the pool lost (a turn rejected, failed or
+never released, or a call that failed: `trainer.rollouts.lost_to_pool`; not the policy's
+own empty or invalid answer) is generated again for the same prompt, up to
+`max_reschedules` per group; at the round's deadline the stragglers are cancelled; a group short of
 episodes trains at its smaller size if its advantages still carry signal. An environment
 whose rubric scores a whole group at once is scored episode by episode here.
 
@@ -41,6 +42,7 @@ import time
 from collections import Counter
 from dataclasses import asdict
 from pathlib import Path
+from typing import Any
 
 from protocol.client import RemoteError
 from protocol.envelope import open_envelope
@@ -52,16 +54,22 @@ from trainer.batch import Batch, TrainingSample, batch_path, oldest_admissible, 
 from trainer.checkpoint import step_dir
 from trainer.config import OrchestratorConfig, check_pool_async_level, read_pool
 from trainer.difficulty import DifficultyBuffer, round_rng
-from trainer.envs import load_environment, openai_client, resolved_client, tool_context
+from trainer.envs import (
+    load_environment,
+    openai_client,
+    pool_sampling_args,
+    resolved_client,
+    tool_context,
+)
 from trainer.monitor import Monitor
 from trainer.online_eval import OnlineEval
 from trainer.rollouts import (
     Episode,
     Verdict,
     build_samples,
-    episode_verdict,
     episodes_from_outputs,
     lost_to_pool,
+    release_status,
 )
 from trainer.weights import make_transport
 from verifier.models import resolve_model
@@ -198,33 +206,36 @@ class Orchestrator:
             await asyncio.wait(futs, timeout=max(0.0, deadline - time.monotonic()))
 
     # -- one step ---------------------------------------------------------------------
-    def _sampling_args(self, min_version: int) -> dict:
-        s = self.cfg.sampling
-        return {
-            "temperature": s.temperature,
-            "top_p": s.top_p,
-            "max_tokens": s.max_tokens,
-            "logprobs": True,
-            "extra_body": {"return_token_ids": True, "min_version": min_version},
-        }
-
-    async def _episode(self, row: int, prefix: str, version: int, deadline: float) -> Episode:
-        """One episode of dataset row `row`, its turns' verdicts awaited until `deadline`."""
-        async with self.slots:
+    async def _run_episode(
+        self,
+        env: Any,
+        prompt: dict,
+        args: dict,
+        prefix: str,
+        deadline: float,
+        slots: asyncio.Semaphore,
+    ) -> Episode:
+        """One episode of `env` on `prompt` through the pool (one of `slots` held while it
+        generates), its turns' verdicts awaited until `deadline`. A call that raised is lost
+        to the pool (verifiers' 'ModelError'). Training's and evaluation's episodes alike."""
+        async with slots:
             try:
-                out = await self.env.run_rollout(
-                    dict(self.dataset[row]),
-                    self.client,
-                    self.model,
-                    self._sampling_args(version),
-                    state_columns=["trajectory"],
+                out = await env.run_rollout(
+                    prompt, self.client, self.model, args, state_columns=["trajectory"]
                 )
             except Exception as exc:  # noqa: BLE001 - one episode lost, not the step
-                log.warning("an episode of row %d failed: %r", row, exc)
-                return Episode(f"{prefix}/{row}", 0.0, [], repr(exc), "ModelError")
+                log.warning("an episode of %s failed: %r", prefix, exc)
+                group = f"{prefix}/{prompt.get('example_id')}"
+                return Episode(group, 0.0, [], repr(exc), "ModelError")
         (ep,) = episodes_from_outputs([out], prefix)
         await self._wait_verdicts([t.rollout_id for t in ep.turns], deadline)
         return ep
+
+    def _episode(self, row: int, prefix: str, version: int, deadline: float):
+        """One training episode of dataset row `row` (a coroutine)."""
+        args = pool_sampling_args(self.cfg.sampling, version)
+        prompt = dict(self.dataset[row])
+        return self._run_episode(self.env, prompt, args, prefix, deadline, self.slots)
 
     async def _group(
         self, row: int, prefix: str, version: int, deadline: float
@@ -247,10 +258,8 @@ class Orchestrator:
                 for task in done:
                     ep = task.result()
                     episodes.append(ep)
-                    why, _ = episode_verdict(
-                        ep, self.verdicts, version, self.tokenizer.decode, self.tools
-                    )
-                    if lost_to_pool(ep, why) and rescheduled < cfg.max_reschedules:
+                    lost = lost_to_pool(ep, release_status(ep, self.verdicts))
+                    if lost and rescheduled < cfg.max_reschedules:
                         rescheduled += 1
                         pending.add(launch())
         finally:
@@ -307,9 +316,7 @@ class Orchestrator:
             version, dt = await self._sync_policy(client, min_version)
             waited += dt
             if self.evals.due(version):
-                self.evals.start(
-                    version, self.client, self.verdicts, self._wait_verdicts, self._log_eval
-                )
+                self._start_eval(version)
             groups, filt, round_stats = await self._round(
                 step, rounds, needed - len(chosen), version
             )
@@ -361,8 +368,8 @@ class Orchestrator:
         await self._announce_latest(client)
         return metrics
 
-    def _log_eval(self, version: int, row: dict) -> None:
-        self.eval_monitor.log(version, row)
+    def _start_eval(self, version: int) -> None:
+        self.evals.start(version, self._run_episode, self.verdicts, self.eval_monitor.log)
 
     def _checkpoint(self, step: int) -> None:
         path = step_dir(self.cfg.run_dir, step) / STATE_FILE
@@ -416,9 +423,7 @@ class Orchestrator:
             version, _ = await self._sync_policy(client, self.cfg.max_steps)
             await self.evals.drain()
             if version not in self.evals.done:
-                self.evals.start(
-                    version, self.client, self.verdicts, self._wait_verdicts, self._log_eval
-                )
+                self._start_eval(version)
         await self.evals.drain()
 
     @staticmethod

@@ -60,7 +60,8 @@ LOST_VERDICTS = frozenset({"rejected", "failed", "no_verdict"})
 
 
 def lost_to_pool(ep: Episode, why: str) -> bool:
-    """Whether an episode dropped as `why` (`episode_verdict`) was lost by the pool."""
+    """Whether an episode dropped as `why` (`release_status`, `episode_verdict`) was lost
+    by the pool."""
     return why in LOST_VERDICTS or (why == "error" and ep.error_type == "ModelError")
 
 
@@ -209,6 +210,18 @@ def trusted_reading(
     return content or "", seen
 
 
+def release_status(ep: Episode, verdicts: dict[str, Verdict]) -> str:
+    """'accepted' if the pool released every turn as accepted; else 'error' (the episode
+    did not complete), 'no_verdict' (a turn has no result yet), 'rejected' or 'failed'.
+    What `lost_to_pool` reads; nothing of the signed rollouts is checked here."""
+    if ep.error:
+        return "error"
+    found = [verdicts.get(t.rollout_id) for t in ep.turns]
+    if any(v is None for v in found):
+        return "no_verdict"
+    return next((v.status for v in found if v.status != "accepted"), "accepted")
+
+
 def episode_verdict(
     ep: Episode,
     verdicts: dict[str, Verdict],
@@ -217,14 +230,9 @@ def episode_verdict(
     tools: ToolContext | None = None,
 ) -> tuple[str, int]:
     """('ok' | why it is dropped, the oldest policy version among its turns)."""
-    if ep.error:
-        return "error", 0
-    found = [verdicts.get(t.rollout_id) for t in ep.turns]
-    if any(v is None for v in found):
-        return "no_verdict", 0
-    for v in found:
-        if v.status != "accepted":
-            return v.status, 0  # 'rejected' or 'failed'
+    if (status := release_status(ep, verdicts)) != "accepted":
+        return status, 0
+    found = [verdicts[t.rollout_id] for t in ep.turns]
     for t, v in zip(ep.turns, found, strict=True):
         if v.rollout is None or not matches_signed(t, v.rollout, decode, tools):
             return "mismatch", 0

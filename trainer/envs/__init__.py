@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from protocol.tools import FunctionDef, ToolContext, ToolDef, context
-from trainer.config import EnvConfig
+from trainer.config import EnvConfig, SamplingConfig
 
 BUNDLED = {
     "reverse-text": "trainer.envs.reverse_text:load_environment",
@@ -51,6 +51,22 @@ def openai_client(base_url: str, api_key_file: Path | None = None) -> Any:
     key = api_key_file.expanduser().read_text().strip() if api_key_file else "none"
     os.environ[API_KEY_VAR] = key
     return vf.ClientConfig(api_base_url=base_url, api_key_var=API_KEY_VAR)
+
+
+def pool_sampling_args(s: SamplingConfig, min_version: int, priority: int = 0) -> dict:
+    """verifiers `sampling_args` of a request to the pool: token ids and logprobs back (the
+    trusted side checks them against the signed rollout), `min_version`, and the
+    scheduler's queue priority when not training's (0)."""
+    extra: dict[str, Any] = {"return_token_ids": True, "min_version": min_version}
+    if priority:
+        extra["priority"] = priority
+    return {
+        "temperature": s.temperature,
+        "top_p": s.top_p,
+        "max_tokens": s.max_tokens,
+        "logprobs": True,
+        "extra_body": extra,
+    }
 
 
 def resolved_client(config: Any) -> Any:
