@@ -523,7 +523,10 @@ class Dispatcher:
                 self.sanctions.checked(nodes[role], role in outvoted)
         for role, why in decision.punish:
             overturned = why == REJECTED_HONEST
-            self.sanctions.punish(nodes[role], why, overturned)
+            # A checker's loss names whose rollout it was about: an operator (or an audit)
+            # tells a borderline cheat's rollout from an honest one it misjudged.
+            about = "" if role == "generator" else f" (a rollout of {nodes['generator'].label})"
+            self.sanctions.punish(nodes[role], why + about, overturned)
             if overturned:
                 self.sanctions.overturned_about(nodes["generator"], nodes[role])
         if decision.lost_by:
