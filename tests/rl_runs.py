@@ -7,6 +7,7 @@ workers' `/health` can be read before the pool closes (`worker_health`)."""
 from __future__ import annotations
 
 import contextlib
+import math
 import os
 import statistics
 import subprocess
@@ -148,6 +149,19 @@ def worker_health(pool: Pool) -> dict[str, dict | None]:
         except (httpx.HTTPError, ValueError):
             out[name] = None
     return out
+
+
+def reward_trend(run: Path) -> tuple[float, float]:
+    """The rise of the per-step reward over the run by a least-squares line through every
+    step, and its standard error: every step counts (a fifth at each end counted only
+    two fifths of them, so a real rise read as noise more often)."""
+    rewards = [r["reward_mean"] for r in read_metrics(run, "orchestrator")]
+    steps = range(len(rewards))
+    slope, intercept = statistics.linear_regression(steps, rewards)
+    residual = sum((y - slope * x - intercept) ** 2 for x, y in zip(steps, rewards, strict=True))
+    spread = sum((x - statistics.fmean(steps)) ** 2 for x in steps)
+    se = math.sqrt(residual / (len(rewards) - 2) / spread)
+    return slope * (len(rewards) - 1), se * (len(rewards) - 1)
 
 
 def summarize(run: Path) -> dict[str, float]:

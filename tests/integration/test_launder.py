@@ -111,11 +111,6 @@ def test_a_laundered_rollout_is_rejected_exactly_when_a_token_is_not_the_seeded_
         assert passed_changed == 0
 
 
-# Kinds whose every rollout holds a token off the real model's seeded choice on this mix
-# (the in-process figures above): nothing of theirs can be released.
-ALWAYS_CHANGED = ("launder-int4", "launder-fp8", "near-tie")
-
-
 @pytest.mark.slow
 @pytest.mark.timeout(420)
 async def test_every_launderer_in_a_pool_is_banned_at_its_first_checked_lies(tmp_path, report):
@@ -126,13 +121,12 @@ async def test_every_launderer_in_a_pool_is_banned_at_its_first_checked_lies(tmp
     launderer is banned with at most 3 of its lies rejected, plus one per rollout of its
     that was accepted: a node has at most 3 rollouts under way plus one per accepted
     rollout (`dispatch.probation` 3), and on this exact mix, where honest checks never
-    fail, one lost dispute bans (`reputation.penalty_lost_dispute` 0.75). (A noise or
-    int8 launderer sometimes makes a rollout token for token the real model's; its
-    acceptance earns the launderer one more rollout under way.) Nothing a launderer made that differs from
-    the real model's rollout is released: int4, fp8 and near-tie change every rollout and
-    get none released; a noise or int8 rollout that happens to be token for token the
-    real model's (the same seeded choices, exact claims) may be, and is checked to be
-    exactly what an honest engine makes. No honest worker loses reputation."""
+    fail, one lost dispute bans (`reputation.penalty_lost_dispute` 0.75). (Any launderer
+    sometimes makes a rollout token for token the real model's, even fp8 on this short
+    mix; its acceptance earns the launderer one more rollout under way.) Nothing a
+    launderer made that differs from the real model's rollout is released: a rollout that
+    happens to be token for token the real model's (the same seeded choices, exact claims)
+    may be, and is checked to be exactly what an honest engine makes. No honest worker loses reputation."""
     one_loss_bans = ReputationPolicy(penalty_lost_dispute=0.75)
     pool = make_pool(tmp_path, verification=tiny_verification(), reputation=one_loss_bans)
     try:
@@ -182,8 +176,6 @@ async def test_every_launderer_in_a_pool_is_banned_at_its_first_checked_lies(tmp
                 assert r.completion_ids == h.completion_ids, (
                     f"{kind} had a changed rollout released"
                 )
-            if kind in ALWAYS_CHANGED:
-                assert not mine, (kind, figures)
         report("the launder family in a tiny fp32 pool of 3 honest workers", figures)
         assert not any(f"{h} loses reputation" in log for h in honest), figures
         for h in honest:
