@@ -27,7 +27,7 @@ from tests.rl_runs import ENV, FAST_HEARTBEATS, REPO, check_finished, rl_args
 from trainer.monitor import read_metrics
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
-STEPS = 8
+STEPS = 6
 # Every peer's uplink is capped alike (a home uplink): then what the trainer uploads shows
 # the swarm at work, instead of whoever answers fastest on a loopback-speed link.
 UPLINK = str(256 * 1024)

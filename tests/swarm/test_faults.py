@@ -248,8 +248,8 @@ def test_rl_with_delta_weights_trains_as_before(fault_run, report):
     and the chain of deltas goes on from the versions on disk; the run passes the same
     audit as every fault test. (This is also the trainer-kill fault test: one run for both.)"""
     run = fault_run(
-        10, "--weights.dtype", "bfloat16", "--trainer.optim.lr", "1e-5", "--ckpt.interval", "2",
-        "--weights.keyframe-interval", "10",
+        8, "--weights.dtype", "bfloat16", "--trainer.optim.lr", "1e-5", "--ckpt.interval", "2",
+        "--weights.keyframe-interval", "8",
     )  # fmt: skip
     run.start_pool({f"w{i}": None for i in range(4)})
     run.start_training()
@@ -276,7 +276,7 @@ def test_rl_with_delta_weights_trains_as_before(fault_run, report):
         for name in run.kinds
     }
     report(
-        "swarm RL with delta weights (4 workers, 10 steps, bf16, lr 1e-5, trainer kill -9 + resume)",
+        "swarm RL with delta weights (4 workers, 8 steps, bf16, lr 1e-5, trainer kill -9 + resume)",
         {
             **counts,
             "killed_after_step": killed_at,
@@ -284,8 +284,8 @@ def test_rl_with_delta_weights_trains_as_before(fault_run, report):
             "rebuilt": rebuilt,
         },
     )
-    # Step 0 has no base and step 10 is a keyframe (`--weights.keyframe-interval 10`): full only.
-    assert set(range(1, 10)) <= set(ratios) and 10 not in ratios, published
+    # Step 0 has no base and step 8 is a keyframe (`--weights.keyframe-interval 8`): full only.
+    assert set(range(1, 8)) <= set(ratios) and 8 not in ratios, published
     assert max(ratios.values()) < 0.5, ratios
     assert all(n >= 3 for n in rebuilt.values()), rebuilt
 
