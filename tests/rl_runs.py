@@ -159,7 +159,8 @@ def reward_trend(run: Path) -> tuple[float, float]:
     steps = range(len(rewards))
     slope, intercept = statistics.linear_regression(steps, rewards)
     residual = sum((y - slope * x - intercept) ** 2 for x, y in zip(steps, rewards, strict=True))
-    spread = sum((x - statistics.fmean(steps)) ** 2 for x in steps)
+    mean = statistics.fmean(steps)
+    spread = sum((x - mean) ** 2 for x in steps)
     se = math.sqrt(residual / (len(rewards) - 2) / spread)
     return slope * (len(rewards) - 1), se * (len(rewards) - 1)
 

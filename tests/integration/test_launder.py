@@ -128,9 +128,10 @@ async def test_every_launderer_in_a_pool_is_banned_at_its_first_checked_lies(tmp
     sometimes makes a rollout token for token the real model's, even fp8 on this short
     mix; its acceptance earns the launderer one more rollout under way.) Nothing int4
     or near-tie made that differs from the real model's rollout is released; a noise,
-    int8 or fp8 rollout a token off by less than honest noise can pass its one check, and at
-    most one such is released before the ban (CI saw one of int8's); a rollout token for
-    token the real model's (the same seeded choices, exact claims) may be released. No honest worker loses reputation."""
+    int8 or fp8 rollout a token off by less than honest noise can pass its one check,
+    and at most one such is released before the ban (CI saw one of int8's); a rollout
+    token for token the real model's (the same seeded choices, exact claims) may be
+    released. No honest worker loses reputation."""
     one_loss_bans = ReputationPolicy(penalty_lost_dispute=0.75)
     pool = make_pool(tmp_path, verification=tiny_verification(), reputation=one_loss_bans)
     try:
@@ -183,9 +184,9 @@ async def test_every_launderer_in_a_pool_is_banned_at_its_first_checked_lies(tmp
             # The probation bound: 3 under way, plus one per accepted rollout.
             assert 1 <= rejected <= 3 + earned, (kind, figures)
             # int4 and near-tie: every changed rollout fails its check (the in-process
-            # case above). Noise and int8 change a token by less than honest noise now and
-            # then (fp8 too), and such a rollout can pass a single check (the per-node replay of
-            # protocol.evidence is what catches those): at most one before the ban.
+            # case above). Noise, int8 and fp8 now and then change a token by less than
+            # honest noise, and such a rollout can pass a single check (the per-node
+            # replay of protocol.evidence catches those): at most one before the ban.
             assert changed <= (1 if kind in STATISTICAL else 0), (kind, figures)
         report("the launder family in a tiny fp32 pool of 3 honest workers", figures)
         assert not any(f"{h} loses reputation" in log for h in honest), figures
